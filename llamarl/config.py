@@ -1,0 +1,236 @@
+"""The recipe schema: typed dataclasses, merged from YAML and `key=value` overrides.
+
+Precedence: command line > YAML recipe > dataclass defaults. Loading imports only omegaconf, so
+the launcher can validate a recipe (and the rank layout) before torch or vLLM are imported.
+
+Every user mistake becomes a `ValueError` naming the key, the value and the fix, in one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List, Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+@dataclass
+class RunConfig:
+    name: str = "llamarl"
+    output_dir: str = "runs"
+    seed: int = 0
+    steps: int = 10  # trainer optimizer steps (one rollout batch each)
+    eval_every: int = 0  # 0: evaluate only before and after training
+    log_every: int = 1
+
+
+@dataclass
+class ModelConfig:
+    # "tiny:<task>" builds the embedded tiny Qwen2 model (warm-started on first use, then cached);
+    # anything else is a local Hugging Face directory.
+    path: str = "tiny:reverse"
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+
+
+@dataclass
+class DataConfig:
+    task: str = "reverse"  # embedded synthetic task (see llamarl/tiny/task.py)
+    eval_prompts: int = 128  # held-out prompts, never trained on
+    eval_samples_per_prompt: int = 4
+
+
+@dataclass
+class TrainerConfig:
+    ranks: int = 2  # trainer data-parallel ranks (FSDP2 sub-mesh)
+    micro_batch_size: int = 32  # sequences per forward/backward
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"  # constant | cosine
+    threads: int = 0  # torch intra-op threads per trainer rank on CPU; 0 = cores / local ranks
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "grpo"
+    clip_eps: float = 0.2
+    loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean
+    adv_eps: float = 1e-6  # added to the group std in GRPO's normalisation
+
+
+@dataclass
+class GeneratorConfig:
+    engines: int = 1  # vLLM engines
+    tp: int = 1  # tensor-parallel ranks per engine
+    prompts_per_step: int = 16  # global, across all engines
+    samples_per_prompt: int = 8  # group size
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    max_model_len: int = 128
+    kv_cache_gib: float = 0.25  # CPU KV cache per engine; on GPU gpu_memory_utilization applies
+    gpu_memory_utilization: float = 0.5
+    enforce_eager: bool = True
+
+
+@dataclass
+class RewardConfig:
+    # Registry names (llamarl/rewards/registry.py) or "module:function"; weights default to 1.
+    functions: List[str] = field(default_factory=lambda: ["reverse_match"])
+    weights: List[float] = field(default_factory=list)
+
+
+@dataclass
+class SyncConfig:
+    every: int = 1  # broadcast weights every N optimizer steps
+    max_staleness: int = 0  # 0 = strictly on-policy
+    bucket_mb: int = 256  # flat-buffer size per broadcast message
+    timeout_s: float = 1800.0  # longest a collective may block (a dead peer is found sooner)
+    dead_peer_s: float = 30.0  # a rank silent this long is declared dead
+
+
+@dataclass
+class BufferConfig:
+    capacity: int = 4  # rollout batches in flight per (generator, trainer) pair
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_CHOICES = {
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "trainer.lr_schedule": ("constant", "cosine"),
+    "algorithm.name": ("grpo",),
+    "algorithm.loss_agg": ("token_mean", "seq_mean_token_mean"),
+}
+
+
+def _fail(key: str, value: Any, fix: str) -> None:
+    raise ValueError(f"recipe key '{key}' = {value!r}: {fix}")
+
+
+def validate(cfg: Config) -> Config:
+    """Check values that the types alone cannot; raise ValueError naming the key and the fix."""
+    for key, allowed in _CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value not in allowed:
+            _fail(key, value, f"must be one of {', '.join(allowed)}")
+    positive = {
+        "run.steps": cfg.run.steps, "trainer.ranks": cfg.trainer.ranks,
+        "trainer.micro_batch_size": cfg.trainer.micro_batch_size, "trainer.lr": cfg.trainer.lr,
+        "generator.engines": cfg.generator.engines, "generator.tp": cfg.generator.tp,
+        "generator.prompts_per_step": cfg.generator.prompts_per_step,
+        "generator.samples_per_prompt": cfg.generator.samples_per_prompt,
+        "generator.max_new_tokens": cfg.generator.max_new_tokens,
+        "generator.max_model_len": cfg.generator.max_model_len,
+        "generator.kv_cache_gib": cfg.generator.kv_cache_gib,
+        "sync.every": cfg.sync.every, "sync.bucket_mb": cfg.sync.bucket_mb,
+        "sync.timeout_s": cfg.sync.timeout_s, "sync.dead_peer_s": cfg.sync.dead_peer_s,
+        "buffer.capacity": cfg.buffer.capacity, "data.eval_prompts": cfg.data.eval_prompts,
+        "data.eval_samples_per_prompt": cfg.data.eval_samples_per_prompt,
+    }
+    for key, value in positive.items():
+        if not value > 0:
+            _fail(key, value, "must be > 0")
+    for key, value in {"run.eval_every": cfg.run.eval_every, "trainer.warmup_steps":
+                       cfg.trainer.warmup_steps, "sync.max_staleness": cfg.sync.max_staleness,
+                       "trainer.threads": cfg.trainer.threads,
+                       "trainer.weight_decay": cfg.trainer.weight_decay,
+                       "trainer.grad_clip": cfg.trainer.grad_clip}.items():
+        if value < 0:
+            _fail(key, value, "must be >= 0")
+    if cfg.run.log_every <= 0:
+        _fail("run.log_every", cfg.run.log_every, "must be > 0")
+    if cfg.generator.temperature <= 0:
+        _fail("generator.temperature", cfg.generator.temperature,
+              "must be > 0 (RL needs sampled completions and their logprobs)")
+    if not 0 < cfg.generator.gpu_memory_utilization <= 1:
+        _fail("generator.gpu_memory_utilization", cfg.generator.gpu_memory_utilization,
+              "must be in (0, 1]")
+    if cfg.generator.samples_per_prompt < 2:
+        _fail("generator.samples_per_prompt", cfg.generator.samples_per_prompt,
+              "GRPO needs at least 2 samples per prompt to normalise within a group")
+    if len(cfg.trainer.betas) != 2 or not all(0 <= b < 1 for b in cfg.trainer.betas):
+        _fail("trainer.betas", cfg.trainer.betas, "must be two numbers in [0, 1)")
+    if not 0 < cfg.algorithm.clip_eps < 1:
+        _fail("algorithm.clip_eps", cfg.algorithm.clip_eps, "must be in (0, 1)")
+    if cfg.sync.max_staleness != 0:
+        _fail("sync.max_staleness", cfg.sync.max_staleness,
+              "only 0 (strictly on-policy) is implemented so far")
+    if cfg.sync.every != 1:
+        _fail("sync.every", cfg.sync.every,
+              "on-policy training (max_staleness=0) needs a weight sync after every step: use 1")
+    if not cfg.reward.functions:
+        _fail("reward.functions", cfg.reward.functions, "name at least one reward function")
+    if cfg.reward.weights and len(cfg.reward.weights) != len(cfg.reward.functions):
+        _fail("reward.weights", cfg.reward.weights,
+              f"give one weight per reward function ({len(cfg.reward.functions)}) or none")
+    per_rank = cfg.generator.engines * cfg.trainer.ranks
+    if cfg.generator.prompts_per_step % per_rank:
+        _fail("generator.prompts_per_step", cfg.generator.prompts_per_step,
+              f"must be a multiple of generator.engines x trainer.ranks = {per_rank}, so every "
+              "engine sends every trainer rank the same number of whole prompt groups")
+    needed = cfg.generator.max_new_tokens + 8
+    if cfg.generator.max_model_len < needed:
+        _fail("generator.max_model_len", cfg.generator.max_model_len,
+              f"must leave room for the prompt plus generator.max_new_tokens "
+              f"({cfg.generator.max_new_tokens}); raise it")
+    return cfg
+
+
+def load_config(recipe: Optional[str | Path] = None, overrides: List[str] = ()) -> Config:
+    """Load `recipe` (YAML) onto the defaults, apply `key=value` overrides, validate."""
+    base = OmegaConf.structured(Config)
+    layers = [base]
+    if recipe is not None:
+        path = Path(recipe)
+        if not path.is_file():
+            raise ValueError(f"recipe {str(path)!r} not found: pass the path of a YAML file, "
+                             "for example recipes/tiny_grpo_cpu.yaml")
+        try:
+            layers.append(OmegaConf.load(path))
+        except Exception as e:  # yaml syntax errors
+            raise ValueError(f"recipe {str(path)!r} is not valid YAML: {e}") from None
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} is not key=value: write for example run.steps=5")
+    if overrides:
+        layers.append(OmegaConf.from_dotlist(list(overrides)))
+    try:
+        merged = OmegaConf.merge(*layers)
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise ValueError(_one_line(e)) from None
+    return validate(cfg)
+
+
+def _one_line(e: OmegaConfBaseException) -> str:
+    key = getattr(e, "full_key", None)
+    msg = str(e).splitlines()[0]
+    if "Key" in msg and "not in" in msg or type(e).__name__ == "ConfigKeyError":
+        return f"recipe key '{key}' is unknown: check its spelling against llamarl/config.py"
+    if key:
+        return f"recipe key '{key}' has a bad value: {msg}"
+    return f"bad recipe: {msg}"
+
+
+def config_to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

@@ -1,0 +1,148 @@
+"""The generator role: sample, score, ship rollouts, load new weights, evaluate.
+
+On-policy loop of engine e (max_staleness = 0), with V the policy version:
+
+    eval(V=0)
+    for step in 0..steps-1:
+        groups = engine.generate(next prompts of shard e, n samples each)      # policy V = step
+        rewards = reward_model(groups); split whole groups over the T trainer ranks; put()
+        engine.receive_weights()                                              # V = step + 1
+        eval(V) when due
+Every rank of an engine drives the engine (SPMD for tp > 1); only the leader ships rollouts and
+writes evaluation results.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from llamarl.buffer.record import RolloutBatch, split_groups
+from llamarl.buffer.shm import ShmChannel
+from llamarl.generator.engine import Engine, EngineWorld
+from llamarl.generator.prompts import TRAIN_POOL, PromptStream, encode, task_examples
+from llamarl.launch.runtime import Runtime, free_port, log
+from llamarl.rewards.registry import RewardModel
+
+
+def channel_name(engine: int, trainer: int) -> str:
+    return f"e{engine}t{trainer}"
+
+
+def _engine_world(rt: Runtime) -> EngineWorld | None:
+    if rt.layout.tp == 1:
+        return None
+    # An engine's tp ranks share a node (checked by the layout), so loopback reaches the leader.
+    port = int(rt.wait_key(f"engine/{rt.role.index}/port"))
+    return EngineWorld(rt.role.tp_rank, rt.layout.tp, "127.0.0.1", port, rt.env.local_rank)
+
+
+def run_generator(rt: Runtime) -> None:
+    cfg, g, e = rt.cfg, rt.cfg.generator, rt.role.index
+    leader = rt.role.is_engine_leader
+    if rt.layout.tp > 1 and leader:
+        rt.store.set(f"engine/{e}/port", str(free_port()))
+    model_path = rt.wait_key("model/path")
+    t0 = time.perf_counter()
+    engine = Engine(model_path, g, cfg.model.dtype, seed=cfg.run.seed + e, on_cpu=rt.on_cpu,
+                    world=_engine_world(rt))
+    log(rt, f"vLLM engine up in {time.perf_counter() - t0:.1f} s ({model_path})")
+
+    # Weight-broadcast group: trainer 0 is group rank 0, generator rank j is 1 + j.
+    gen_ranks = rt.layout.generator_global_ranks
+    spec = rt.group_spec("wsync", 1 + gen_ranks.index(rt.role.rank), 1 + len(gen_ranks))
+    engine.join_weight_group(spec, rt.wait_key("wsync/meta"), cfg.sync.bucket_mb)
+
+    tok = engine.tokenizer
+    train = [encode(tok, ex) for ex in task_examples(cfg.data.task, "train", TRAIN_POOL,
+                                                     cfg.run.seed)]
+    held_out = [encode(tok, ex) for ex in task_examples(cfg.data.task, "eval",
+                                                        cfg.data.eval_prompts, cfg.run.seed)]
+    stream = PromptStream(train, e, rt.layout.engines, cfg.run.seed)
+    evaluator = Evaluator(rt, engine, held_out[e::rt.layout.engines])
+    rewards = RewardModel(cfg.reward.functions, cfg.reward.weights)
+    per_engine = g.prompts_per_step // rt.layout.engines
+    channels = [ShmChannel(rt.store, rt.run_id, channel_name(e, t), cfg.buffer.capacity,
+                           rt.watchdog.check) for t in range(rt.layout.trainer_ranks)]
+    rt.watchdog.cleanups.extend(ch.close for ch in channels)
+
+    version = 0
+    evaluator.run(step=0, version=version)
+    try:
+        for step in range(cfg.run.steps):
+            prompts = stream.next(per_engine)
+            t0 = time.perf_counter()
+            groups = engine.generate([p.token_ids for p in prompts], g.samples_per_prompt,
+                                     g.temperature, g.max_new_tokens,
+                                     seed=cfg.run.seed * 1_000_003 + step * 1009 + e)
+            gen_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            batch = _to_batch(prompts, groups, rewards, version, e, step, per_engine)
+            reward_s = time.perf_counter() - t0
+            batch.info.update(step=step, generate_s=gen_s, reward_s=reward_s,
+                              tokens=int(batch.completion_lens.sum()))
+            if leader:
+                for t, part in enumerate(split_groups(batch, rt.layout.trainer_ranks)):
+                    channels[t].put(part)
+            # Strictly on-policy: the next batch is sampled from the weights this one trains.
+            engine.receive_weights()
+            version += 1
+            due = cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0
+            if due or step == cfg.run.steps - 1:
+                evaluator.run(step=step + 1, version=version)
+    finally:
+        for ch in channels:
+            ch.close()
+
+
+def _to_batch(prompts, groups, rewards: RewardModel, version: int, engine: int, step: int,
+              per_engine: int) -> RolloutBatch:
+    rows = {k: [] for k in ("p", "c", "lp", "r", "g", "f")}
+    for i, (prompt, group) in enumerate(zip(prompts, groups)):
+        gid = (step * 65_536 + engine) * per_engine + i  # unique across engines and steps
+        for c in group:
+            rows["p"].append(prompt.token_ids)
+            rows["c"].append(c.token_ids)
+            rows["lp"].append(c.logprobs)
+            rows["r"].append(rewards(c.text, prompt.answer, prompt.text))
+            rows["g"].append(gid)
+            rows["f"].append(c.finish_reason == "stop")
+    return RolloutBatch.from_lists(rows["p"], rows["c"], rows["lp"], rows["r"], rows["g"],
+                                   rows["f"], version, engine)
+
+
+class Evaluator:
+    """Held-out reward: sampled at the training temperature (the quantity RL maximises) and
+    greedy. Each engine scores its shard; engine 0 aggregates and appends to eval.jsonl."""
+
+    def __init__(self, rt: Runtime, engine: Engine, prompts):
+        self.rt, self.engine, self.prompts = rt, engine, prompts
+        self.rewards = RewardModel(rt.cfg.reward.functions, rt.cfg.reward.weights)
+
+    def run(self, step: int, version: int) -> None:
+        rt, g = self.rt, self.rt.cfg.generator
+        t0 = time.perf_counter()
+        ids = [p.token_ids for p in self.prompts]
+        n = rt.cfg.data.eval_samples_per_prompt
+        sampled = self.engine.generate(ids, n, g.temperature, g.max_new_tokens, seed=7919 + step)
+        greedy = self.engine.generate(ids, 1, 0.0, g.max_new_tokens, seed=0)
+        s = sum(self.rewards(c.text, p.answer, p.text) for p, grp in zip(self.prompts, sampled)
+                for c in grp)
+        gr = sum(self.rewards(grp[0].text, p.answer, p.text) for p, grp in zip(self.prompts, greedy))
+        if not rt.role.is_engine_leader:
+            return
+        rt.store.set(f"eval/{step}/{rt.role.index}",
+                     json.dumps([s, len(self.prompts) * n, gr, len(self.prompts)]))
+        if rt.role.index != 0:
+            return
+        parts = [json.loads(rt.wait_key(f"eval/{step}/{k}")) for k in range(rt.layout.engines)]
+        row = {"step": step, "policy_version": version,
+               "reward_mean": sum(p[0] for p in parts) / sum(p[1] for p in parts),
+               "reward_mean_greedy": sum(p[2] for p in parts) / sum(p[3] for p in parts),
+               "prompts": sum(p[3] for p in parts), "samples_per_prompt": n,
+               "eval_s": time.perf_counter() - t0}
+        with open(rt.run_dir / "eval.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        rt.store.set(f"eval/result/{step}", json.dumps(row))
+        log(rt, f"eval step {step}: held-out reward {row['reward_mean']:.3f} "
+                f"(greedy {row['reward_mean_greedy']:.3f}) on {row['prompts']} prompts")

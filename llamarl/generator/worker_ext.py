@@ -1,0 +1,39 @@
+"""Methods added to every vLLM worker (`LLM(worker_extension_cls=...)`), called through
+`llm.collective_rpc("llamarl_*")`. Names carry the `llamarl_` prefix so they never clash with
+vLLM's own Worker methods.
+
+They run where the model lives: in the generator process for an in-process engine, or in each
+of vLLM's worker processes for tp > 1, so every tp rank joins the weight group itself and loads
+its own shards (vLLM's `load_weights` slices full tensors for tensor parallelism).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llamarl.generator.cpu_fixes import disable_onednn_prepack
+from llamarl.parallel.groups import GroupSpec, make_group
+from llamarl.parallel.weight_sync import WeightReceiver, metas_from_json
+
+# Runs at import, which vLLM does before the worker loads the model (see cpu_fixes).
+disable_onednn_prepack()
+
+
+class LlamarlWorkerExtension:
+    def llamarl_join_weight_group(self, spec: GroupSpec, metas_json: str, bucket_mb: int) -> int:
+        device = torch.device(self.device) if hasattr(self, "device") else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        group = make_group(spec)
+        self._llamarl_receiver = WeightReceiver(metas_from_json(metas_json), bucket_mb, group,
+                                                device)
+        return spec.rank
+
+    def llamarl_receive_weights(self) -> int:
+        """Receive one full set of weights from the trainer and load it into the model."""
+        model = self.model_runner.model
+        return self._llamarl_receiver.receive(model.load_weights)
+
+    def llamarl_state_checksum(self) -> float:
+        """Sum of all parameters: a cheap check that weights changed (tests)."""
+        return float(sum(p.double().sum() for p in self.model_runner.model.parameters()))

@@ -1,0 +1,79 @@
+"""`python -m llamarl.launch RECIPE.yaml [key=value ...]`
+
+Under torchrun or srun every rank runs this: parse and validate the recipe and the rank layout
+(cheap imports only), set up the job store and watchdog, then become a trainer or a generator.
+Run directly (no launcher environment), it starts torchrun itself on this machine with as many
+ranks as the recipe's layout needs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+from llamarl.config import load_config
+from llamarl.launch.dist_env import from_environ
+from llamarl.launch.layout import compute_layout
+
+USAGE = ("usage: torchrun --nproc-per-node N -m llamarl.launch RECIPE.yaml [key=value ...]\n"
+         "   or: python -m llamarl.launch RECIPE.yaml [key=value ...]   (starts torchrun itself)")
+
+
+def self_launch(n_ranks: int, argv: list[str]) -> None:
+    """Replace this process with a single-node torchrun of `n_ranks` ranks."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={n_ranks}", "-m", "llamarl.launch", *argv]
+    print(f"llamarl: launching {n_ranks} local ranks: {' '.join(cmd[2:])}", file=sys.stderr,
+          flush=True)
+    os.execv(sys.executable, cmd)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    recipe, overrides = argv[0], argv[1:]
+    env = None
+    try:
+        cfg = load_config(recipe, overrides)
+        env = from_environ()
+        needed = cfg.trainer.ranks + cfg.generator.engines * cfg.generator.tp
+        if env is None:
+            self_launch(needed, argv)
+        layout = compute_layout(env.world_size, env.local_world_size, cfg.trainer.ranks,
+                                cfg.generator.engines, cfg.generator.tp)
+    except ValueError as e:
+        if env is None or env.local_rank == 0:
+            print(f"llamarl: error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+    from llamarl.launch.runtime import setup  # heavy imports start here
+
+    rt = setup(cfg, layout, env)
+    try:
+        if rt.role.role == "trainer":
+            from llamarl.trainer.loop import run_trainer
+            run_trainer(rt)
+        else:
+            from llamarl.generator.loop import run_generator
+            run_generator(rt)
+        rt.watchdog.mark_done()
+    except BaseException as e:  # noqa: BLE001 - report every failure to the peers, then exit
+        rt.watchdog.report_failure(f"{type(e).__name__}: {e}")
+        if not isinstance(e, (KeyboardInterrupt, ValueError)):
+            traceback.print_exc()
+        print(f"llamarl: {rt.watchdog.role_name(env.rank)} failed: {type(e).__name__}: {e}",
+              file=sys.stderr, flush=True)
+        rt.cleanup_shared_memory()
+        os._exit(1)
+    rt.watchdog.stop()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # vLLM's in-process engine leaves non-daemon threads behind; the work is done and flushed.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""What every rank sets up before its role starts: the job store, the run id and directory, the
+watchdog, and descriptions of the cross-role groups.
+
+The store: under torchrun every rank is a client of the agent's store at MASTER_ADDR:MASTER_PORT
+(the store torchrun itself uses; keys live under `llamarl/<restart>/`). Under Slurm or a plain
+environment, global rank 0 hosts it there. No `tcp://` rendezvous is used (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from llamarl.buffer.shm import sweep_run
+from llamarl.config import Config, config_to_yaml
+from llamarl.launch.dist_env import DistEnv
+from llamarl.launch.layout import Layout, RankRole
+from llamarl.launch.watchdog import Watchdog
+from llamarl.parallel.groups import GroupSpec, connect_store, default_backend
+
+STARTUP_TIMEOUT_S = 600.0
+
+
+@dataclass
+class Runtime:
+    cfg: Config
+    layout: Layout
+    role: RankRole
+    env: DistEnv
+    store: dist.Store  # prefixed job store
+    prefix: str
+    run_id: str
+    run_dir: Path
+    device: torch.device
+    watchdog: Watchdog
+    timings: dict = field(default_factory=dict)
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.device.type == "cpu"
+
+    def new_store(self) -> dist.Store:
+        """A fresh client connection (threads must not share one)."""
+        raw = connect_store(self.env.master_addr, self.env.master_port, self.cfg.sync.timeout_s)
+        return dist.PrefixStore(self.prefix, raw)
+
+    def group_spec(self, name: str, rank: int, size: int) -> GroupSpec:
+        return GroupSpec(self.env.master_addr, self.env.master_port, f"{self.prefix}/{name}",
+                         rank, size, default_backend(self.device), self.cfg.sync.timeout_s)
+
+    def wait_key(self, key: str, timeout_s: float = STARTUP_TIMEOUT_S) -> str:
+        """Wait for another rank to publish `key`, failing fast if the job failed."""
+        deadline = time.monotonic() + timeout_s
+        while not self.store.check([key]):
+            self.watchdog.check()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for '{key}'")
+            time.sleep(0.05)
+        return self.store.get(key).decode()
+
+    def cleanup_shared_memory(self) -> None:
+        sweep_run(self.run_id)
+
+
+def pick_device(env: DistEnv) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", env.local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def setup(cfg: Config, layout: Layout, env: DistEnv) -> Runtime:
+    role = layout.role_of(env.rank)
+    prefix = f"llamarl/{env.restart}"
+    hosts_store = not env.agent_store and env.rank == 0
+    raw = connect_store(env.master_addr, env.master_port, STARTUP_TIMEOUT_S,
+                        is_master=hosts_store, world_size=env.world_size if hosts_store else None)
+    store = dist.PrefixStore(prefix, raw)
+    device = pick_device(env)
+
+    def make_store():
+        if hosts_store:
+            return store  # the server's own handle; its lifetime is the process's
+        return dist.PrefixStore(prefix, connect_store(env.master_addr, env.master_port,
+                                                      cfg.sync.timeout_s))
+
+    watchdog = Watchdog(make_store, env.rank, layout, cfg.sync.dead_peer_s)
+    watchdog.start()
+
+    if env.rank == 0:
+        run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+        run_dir = Path(cfg.run.output_dir).resolve() / f"{cfg.run.name}-{run_id}"
+        run_dir.mkdir(parents=True, exist_ok=False)
+        (run_dir / "recipe.yaml").write_text(config_to_yaml(cfg))
+        (run_dir / "layout.json").write_text(json.dumps({
+            "world_size": layout.world_size, "trainer_ranks": layout.trainer_ranks,
+            "engines": layout.engines, "tp": layout.tp, "launcher": env.launcher}, indent=1))
+        store.set("run", json.dumps({"id": run_id, "dir": str(run_dir)}))
+    rt_info = json.loads(_wait(store, "run", watchdog))
+    rt = Runtime(cfg, layout, role, env, store, prefix, rt_info["id"], Path(rt_info["dir"]),
+                 device, watchdog)
+    watchdog.cleanups.append(rt.cleanup_shared_memory)
+    return rt
+
+
+def _wait(store: dist.Store, key: str, watchdog: Watchdog) -> str:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not store.check([key]):
+        watchdog.check()
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for '{key}' from rank 0")
+        time.sleep(0.05)
+    return store.get(key).decode()
+
+
+def log(rt_or_role, msg: str) -> None:
+    role = rt_or_role.role if isinstance(rt_or_role, Runtime) else rt_or_role
+    print(f"[{role.name}] {msg}", file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]

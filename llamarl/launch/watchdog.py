@@ -1,0 +1,120 @@
+"""Liveness for the whole job: a dead or failed peer becomes a named error on every rank.
+
+Each rank's watchdog thread bumps its own heartbeat counter in the job store once a second and
+reads everyone else's. A rank fails the job when:
+  * a peer wrote a failure report (`report_failure`, on an exception), or
+  * a peer's counter has not moved for `dead_after_s` and the peer did not say it is done, or
+  * the store itself is unreachable (the launcher agent or rank 0 died).
+The thread then prints one line naming the rank and role, runs the cleanup hooks (shared memory)
+and ends the process with `os._exit(1)`: the main thread may be blocked inside a collective that
+would otherwise wait for its full timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from typing import Callable
+
+from llamarl.launch.layout import Layout
+
+HEARTBEAT_S = 1.0
+
+
+class Watchdog:
+    def __init__(self, make_store: Callable[[], object], rank: int, layout: Layout,
+                 dead_after_s: float, startup_grace_s: float = 600.0):
+        self.make_store = make_store  # a fresh client connection for this thread
+        self.rank = rank
+        self.layout = layout
+        self.dead_after_s = dead_after_s
+        self.startup_grace_s = startup_grace_s
+        self.cleanups: list[Callable[[], None]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def role_name(self, rank: int) -> str:
+        return f"rank {rank} ({self.layout.role_of(rank).name})"
+
+    def start(self) -> None:
+        self._store = self.make_store()
+        self._store.add(f"hb/{self.rank}", 1)
+        self._thread = threading.Thread(target=self._run, name="llamarl-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # -- called by the main thread -------------------------------------------------------
+    def report_failure(self, message: str) -> None:
+        """Tell every rank why this one is failing (first report wins)."""
+        try:
+            store = self.make_store()
+            store.compare_set("failed", "", f"{self.role_name(self.rank)} failed: {message}")
+            store.set(f"done/{self.rank}", "failed")
+        except Exception:  # the store may be gone too; the exit code still tells
+            pass
+
+    def mark_done(self) -> None:
+        self._store_main().set(f"done/{self.rank}", "ok")
+
+    def check(self) -> None:
+        """Raise if the job has failed (for waits in the main thread)."""
+        msg = self._failure_message(self._store_main())
+        if msg:
+            raise RuntimeError(msg)
+
+    def _store_main(self):
+        if not hasattr(self, "_main_store"):
+            self._main_store = self.make_store()
+        return self._main_store
+
+    # -- the thread ------------------------------------------------------------------------
+    def _failure_message(self, store) -> str | None:
+        if store.check(["failed"]):
+            msg = store.get("failed").decode()
+            return msg or None
+        return None
+
+    def _run(self) -> None:
+        store = self._store
+        peers = [r for r in range(self.layout.world_size) if r != self.rank]
+        last = {r: (-1, time.monotonic()) for r in peers}
+        start = time.monotonic()
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                store.add(f"hb/{self.rank}", 1)
+                msg = self._failure_message(store)
+                if msg:
+                    self._die(f"stopping: {msg}")
+                now = time.monotonic()
+                for r in peers:
+                    if store.check([f"done/{r}"]):
+                        continue
+                    count = store.add(f"hb/{r}", 0)
+                    seen, since = last[r]
+                    if count != seen:
+                        last[r] = (count, now)
+                        continue
+                    limit = self.dead_after_s if count > 0 else self.startup_grace_s
+                    if now - since > limit:
+                        what = "no heartbeat" if count > 0 else "never started"
+                        self._die(f"{self.role_name(r)} is dead ({what} for {now - since:.0f} s)")
+            except Exception as e:  # the store is gone: the agent or rank 0 died
+                if self._stop.is_set():
+                    return
+                if time.monotonic() - start < 5:
+                    continue
+                self._die(f"lost the job's store ({type(e).__name__}: {e}); the launcher agent "
+                          "or rank 0 died")
+
+    def _die(self, message: str) -> None:
+        print(f"llamarl: {self.role_name(self.rank)}: {message}", file=sys.stderr, flush=True)
+        for fn in self.cleanups:
+            try:
+                fn()
+            except Exception:
+                pass
+        os._exit(1)

@@ -1,0 +1,152 @@
+"""Trainer -> generator weight broadcast in flat per-dtype buckets.
+
+Both sides derive the same `BucketPlan` from the tensor metadata (name, dtype, shape) that the
+trainer publishes once. One sync then is, for each bucket in plan order:
+
+    trainer ranks: t_i = param_i.full_tensor()    (FSDP2 all-gather; every trainer rank, lockstep)
+    sender:        flat[off_i : off_i + n_i] = t_i ; broadcast(flat, root=0)
+    receivers:     broadcast(flat) ; load_weights([(name_i, flat[off_i : off_i + n_i].view(shape_i))])
+
+so a model of P tensors costs ceil(bytes / bucket_bytes) messages, not P.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from llamarl.parallel.groups import broadcast
+
+_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
+                               torch.int64, torch.int32, torch.uint8, torch.int8, torch.bool)}
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    dtype: str  # e.g. "torch.float32"
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class Bucket:
+    dtype: str
+    entries: tuple[tuple[TensorMeta, int], ...]  # (meta, element offset in the flat buffer)
+    numel: int
+
+
+def plan_buckets(metas: list[TensorMeta], bucket_bytes: int) -> list[Bucket]:
+    """Group tensors by dtype (first-seen order), then pack each group into buckets of at most
+    `bucket_bytes` (a larger tensor gets a bucket of its own)."""
+    by_dtype: dict[str, list[TensorMeta]] = {}
+    for m in metas:
+        by_dtype.setdefault(m.dtype, []).append(m)
+    buckets: list[Bucket] = []
+    for dtype, group in by_dtype.items():
+        itemsize = torch.empty((), dtype=_DTYPES[dtype]).element_size()
+        cap = max(1, bucket_bytes // itemsize)
+        entries: list[tuple[TensorMeta, int]] = []
+        used = 0
+        for m in group:
+            if entries and used + m.numel > cap:
+                buckets.append(Bucket(dtype, tuple(entries), used))
+                entries, used = [], 0
+            entries.append((m, used))
+            used += m.numel
+        if entries:
+            buckets.append(Bucket(dtype, tuple(entries), used))
+    return buckets
+
+
+def metas_to_json(metas: list[TensorMeta]) -> str:
+    return json.dumps([[m.name, m.dtype, list(m.shape)] for m in metas])
+
+
+def metas_from_json(text: str) -> list[TensorMeta]:
+    return [TensorMeta(n, d, tuple(s)) for n, d, s in json.loads(text)]
+
+
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters (tied ones once) and persistent buffers, by their checkpoint names."""
+    out = dict(model.named_parameters())
+    persistent = set(model.state_dict().keys())
+    for name, buf in model.named_buffers():
+        if name in persistent:
+            out[name] = buf
+    return out
+
+
+def tensor_metas(tensors: dict[str, torch.Tensor]) -> list[TensorMeta]:
+    """Metadata of the full (unsharded) tensors; DTensor.shape is already the global shape."""
+    return [TensorMeta(n, str(t.dtype), tuple(t.shape)) for n, t in tensors.items()]
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    full = getattr(t, "full_tensor", None)
+    return (full() if full is not None else t).detach()
+
+
+class WeightSender:
+    """Runs on every trainer rank; only the rank with `group` set sends.
+
+    All trainer ranks must call `send` together: gathering an FSDP2 shard is a collective.
+    """
+
+    def __init__(self, model: torch.nn.Module, bucket_mb: int,
+                 group: dist.ProcessGroup | None, device: torch.device):
+        self.names = list(model_tensors(model).keys())
+        self.metas = tensor_metas(model_tensors(model))
+        self.buckets = plan_buckets(self.metas, bucket_mb << 20)
+        self.group = group
+        self.device = device
+        self.bytes_per_sync = sum(b.numel * torch.empty((), dtype=_DTYPES[b.dtype]).element_size()
+                                  for b in self.buckets)
+
+    def send(self, model: torch.nn.Module) -> None:
+        tensors = model_tensors(model)
+        for bucket in self.buckets:
+            flat = None
+            if self.group is not None:
+                flat = torch.empty(bucket.numel, dtype=_DTYPES[bucket.dtype], device=self.device)
+            for meta, off in bucket.entries:
+                full = _full(tensors[meta.name])  # collective on FSDP2 params
+                if flat is not None:
+                    flat[off:off + meta.numel].copy_(full.reshape(-1))
+            if flat is not None:
+                broadcast(self.group, flat, root=0)
+
+
+class WeightReceiver:
+    """Runs in each generator (vLLM worker) process: receive buckets, hand them to `load`."""
+
+    def __init__(self, metas: list[TensorMeta], bucket_mb: int, group: dist.ProcessGroup,
+                 device: torch.device):
+        self.buckets = plan_buckets(metas, bucket_mb << 20)
+        self.group = group
+        self.device = device
+
+    def receive(self, load: Callable[[Iterable[tuple[str, torch.Tensor]]], object]) -> int:
+        """Receive one full set of weights; returns the number of tensors loaded."""
+        n = 0
+        for bucket in self.buckets:
+            flat = torch.empty(bucket.numel, dtype=_DTYPES[bucket.dtype], device=self.device)
+            broadcast(self.group, flat, root=0)
+            load(_views(bucket, flat))
+            n += len(bucket.entries)
+        return n
+
+
+def _views(bucket: Bucket, flat: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    for meta, off in bucket.entries:
+        yield meta.name, flat[off:off + meta.numel].view(meta.shape)

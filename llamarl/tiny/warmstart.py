@@ -1,0 +1,93 @@
+"""Warm start for the embedded tiny model: a short supervised phase, cached after the first run.
+
+A randomly initialised policy never samples a correct reversal, so GRPO would see only zero
+advantages. The warm start trains the same FSDP2 trainer (`PolicyTrainer`) with the supervised
+loss below for a deliberately small number of steps: the policy learns the format and part of
+the task, and RL has the rest to learn. The result is cached under
+$LLAMARL_CACHE (default ~/.cache/llamarl) keyed by a hash of everything that shapes it.
+
+    L_sft = -(1 / N_tokens) * sum_{i,t} log pi_theta(y_it | x_i, y_i<t)    over answer + EOS tokens
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from llamarl.config import TrainerConfig
+from llamarl.tiny import task as tasks
+from llamarl.tiny.model import build_model, save_hf_dir
+from llamarl.trainer.policy import TokenBatch, collate
+from llamarl.trainer.step import PolicyTrainer
+
+SFT_STEPS = 30
+SFT_BATCH = 64  # global sequences per step
+SFT_LR = 2e-3
+SEED = 1234
+VERSION = 1  # bump when the recipe below changes
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("LLAMARL_CACHE", Path.home() / ".cache" / "llamarl"))
+
+
+def warm_start_dir(task: str) -> Path:
+    model, tok = build_model(SEED)
+    blob = json.dumps({"config": model.config.to_dict(), "vocab": tok.get_vocab(), "task": task,
+                       "alphabet": tasks.ALPHABET, "lens": [tasks.MIN_LEN, tasks.MAX_LEN],
+                       "steps": SFT_STEPS, "batch": SFT_BATCH, "lr": SFT_LR, "seed": SEED,
+                       "version": VERSION}, sort_keys=True, default=str)
+    return cache_root() / f"tiny-{task}-{hashlib.sha1(blob.encode()).hexdigest()[:10]}"
+
+
+def sft_batches(tok, step: int, rank: int, dp: int, micro: int) -> list[TokenBatch]:
+    """This rank's share of SFT step `step`, as micro-batches."""
+    examples = tasks.sample_examples(SFT_BATCH, "train", seed=SEED * 100_000 + step)
+    mine = examples[rank::dp]
+    seqs = [(encode_prompt(tok, ex.prompt), tok.encode(ex.answer) + [tok.eos_token_id], [])
+            for ex in mine]
+    return [collate(seqs[i:i + micro], tok.pad_token_id) for i in range(0, len(seqs), micro)]
+
+
+def encode_prompt(tok, prompt: str) -> list[int]:
+    return [tok.bos_token_id] + tok.encode(prompt)
+
+
+def run_warm_start(task: str, out_dir: Path, mesh, device: torch.device, log=print) -> None:
+    """Train and save the warm start. A collective over the trainer ranks (`mesh`)."""
+    from llamarl.parallel.fsdp import apply_fsdp
+
+    if task != "reverse":
+        raise ValueError(f"model.path 'tiny:{task}': the embedded model knows the task "
+                         "'reverse' only; use model.path=tiny:reverse")
+    dp = mesh.size() if mesh is not None else 1
+    rank = mesh.get_local_rank() if mesh is not None else 0
+    model, tok = build_model(SEED)
+    model.to(device)
+    if mesh is not None:
+        apply_fsdp(model, mesh, torch.float32)
+    trainer = PolicyTrainer(model, TrainerConfig(lr=SFT_LR, warmup_steps=5, grad_clip=1.0),
+                            SFT_STEPS, dp, device)
+    for step in range(SFT_STEPS):
+        mbs = sft_batches(tok, step, rank, dp, micro=SFT_BATCH)
+        n_tokens = torch.tensor(float(sum(mb.mask.sum() for mb in mbs)))
+        if dist.is_initialized():
+            dist.all_reduce(n_tokens)
+
+        def loss_fn(logp, mb, _i, n=float(n_tokens)):
+            return -(logp * mb.mask).sum() / n, {}
+
+        stats = trainer.step(mbs, loss_fn)
+        if step % 10 == 0 or step == SFT_STEPS - 1:
+            log(f"warm start step {step + 1}/{SFT_STEPS}: sft loss {stats['loss']:.3f}")
+    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
+             for k, v in model.state_dict().items()}
+    if rank == 0:
+        save_hf_dir(out_dir, state, model.config, tok)
+    if dist.is_initialized():
+        dist.barrier()

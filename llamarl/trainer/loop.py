@@ -1,0 +1,191 @@
+"""The trainer role: FSDP2 policy on the trainer sub-mesh, GRPO steps, weight broadcast.
+
+On-policy loop of trainer rank r (of T), with E engines:
+
+    for step in 0..steps-1:
+        batch = concat(channel[e -> r].get() for e in engines)      # whole groups, version = step
+        A = group_advantages(batch.rewards)                          # GRPO
+        PolicyTrainer.step(micro-batches, clipped surrogate)         # one optimizer step
+        WeightSender.send(model)                                     # all ranks gather, rank 0 sends
+    save the final policy as a Hugging Face directory
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from llamarl.algorithms.grpo import clipped_policy_loss, group_advantages
+from llamarl.buffer.record import RolloutBatch
+from llamarl.buffer.shm import ShmChannel
+from llamarl.generator.loop import channel_name
+from llamarl.launch.runtime import Runtime, log
+from llamarl.parallel.fsdp import apply_fsdp
+from llamarl.parallel.groups import make_group
+from llamarl.parallel.weight_sync import WeightSender, metas_to_json
+from llamarl.trainer.metrics import MetricsLog
+from llamarl.trainer.policy import DTYPES, collate, load_policy
+from llamarl.trainer.step import PolicyTrainer
+
+
+def init_trainer_group(rt: Runtime):
+    """The trainer sub-mesh: a role-local default group (trainer ranks only) and its mesh."""
+    import os
+
+    threads = rt.cfg.trainer.threads or max(1, (os.cpu_count() or 1) // rt.env.local_world_size)
+    if rt.on_cpu:
+        torch.set_num_threads(threads)
+    else:
+        torch.cuda.set_device(rt.device)
+    backend = "nccl" if rt.device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.PrefixStore("trainer", rt.store),
+                            rank=rt.role.index, world_size=rt.layout.trainer_ranks,
+                            timeout=timedelta(seconds=rt.cfg.sync.timeout_s))
+    return init_device_mesh(rt.device.type, (rt.layout.trainer_ranks,))
+
+
+def resolve_model_path(rt: Runtime, mesh) -> str:
+    """The policy's HF directory; builds the embedded tiny model's warm start when needed."""
+    spec = rt.cfg.model.path
+    if spec.startswith("tiny:"):
+        from llamarl.tiny.warmstart import run_warm_start, warm_start_dir
+
+        path = warm_start_dir(spec.split(":", 1)[1])
+        if not (path / "config.json").is_file():
+            log(rt, f"building the tiny model's warm start (cached at {path})")
+            run_warm_start(spec.split(":", 1)[1], path, mesh, rt.device,
+                           log=lambda m: log(rt, m) if rt.role.index == 0 else None)
+        return str(path)
+    if not (Path(spec) / "config.json").is_file():
+        raise ValueError(f"model.path {spec!r} is not a Hugging Face model directory (no "
+                         "config.json): point it at a local checkpoint or use tiny:reverse")
+    return spec
+
+
+def run_trainer(rt: Runtime) -> None:
+    cfg, r, T = rt.cfg, rt.role.index, rt.layout.trainer_ranks
+    mesh = init_trainer_group(rt)
+    model_path = resolve_model_path(rt, mesh)
+    if r == 0:
+        rt.store.set("model/path", model_path)
+    model = load_policy(model_path, cfg.model.dtype).to(rt.device)
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    apply_fsdp(model, mesh, param_dtype=DTYPES[cfg.model.dtype])
+    trainer = PolicyTrainer(model, cfg.trainer, cfg.run.steps, T, rt.device,
+                            cfg.generator.temperature)
+
+    # Weight broadcast: trainer 0 sends to every generator rank (group rank 0 = trainer 0).
+    sender = WeightSender(model, cfg.sync.bucket_mb, None, rt.device)
+    if r == 0:
+        rt.store.set("wsync/meta", metas_to_json(sender.metas))
+        n_gen = len(rt.layout.generator_global_ranks)
+        sender.group = make_group(rt.group_spec("wsync", 0, 1 + n_gen))
+    channels = [ShmChannel(rt.store, rt.run_id, channel_name(e, r), cfg.buffer.capacity,
+                           rt.watchdog.check) for e in range(rt.layout.engines)]
+    metrics = MetricsLog(rt.run_dir / "metrics.jsonl") if r == 0 else None
+    log(rt, f"policy {model_path} sharded over {T} trainer rank(s); "
+            f"{sender.bytes_per_sync / 2**20:.1f} MiB per weight sync in {len(sender.buckets)} "
+            "bucket(s)")
+
+    version = 0
+    run_t0 = time.perf_counter()
+    for step in range(cfg.run.steps):
+        t_step = time.perf_counter()
+        waits = [ch.wait_s for ch in channels]
+        parts = [ch.get() for ch in channels]
+        wait_s = sum(ch.wait_s for ch in channels) - sum(waits)
+        transfer_s = time.perf_counter() - t_step - wait_s
+        batch = RolloutBatch.concat(parts)
+        assert int(batch.policy_version.min()) == version, "on-policy run got a stale batch"
+
+        t0 = time.perf_counter()
+        stats = grpo_step(trainer, batch, cfg, tokenizer.pad_token_id)
+        train_s = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        sender.send(model)
+        version += 1
+        sync_s = time.perf_counter() - t0
+
+        info = [p.info for p in parts]
+        row = {
+            "step": step + 1, "policy_version": version,
+            "reward_mean": stats["reward_sum"] / stats["n_seqs"],
+            "loss": stats["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"],
+            "clip_frac": stats["clip_frac"] / stats["n_tokens"],
+            "mismatch_kl": stats["mismatch_kl"] / stats["n_tokens"],
+            "ratio_max": stats["ratio_max"],
+            "response_len": stats["n_tokens"] / stats["n_seqs"],
+            "finished_frac": stats["finished"] / stats["n_seqs"],
+            "tokens_generated": int(stats["n_tokens"]),
+            "generate_s": max(i["generate_s"] for i in info),
+            "reward_s": max(i["reward_s"] for i in info),
+            "wait_s": wait_s, "transfer_s": transfer_s, "train_s": train_s, "sync_s": sync_s,
+            "step_time_s": time.perf_counter() - t_step,
+            "elapsed_s": time.perf_counter() - run_t0,
+        }
+        if "skipped" in stats:
+            row["skipped_step"] = 1
+        if metrics is not None:
+            metrics.write(row)
+            if (step + 1) % cfg.run.log_every == 0 or step + 1 == cfg.run.steps:
+                log(rt, metrics.line(row, cfg.run.steps))
+
+    final_dir = rt.run_dir / "policy"
+    save_policy(model, model_path, final_dir, r == 0)
+    if r == 0:
+        summarize(rt, final_dir)
+
+
+def grpo_step(trainer: PolicyTrainer, batch: RolloutBatch, cfg, pad_id: int) -> dict:
+    """One GRPO optimizer step on this rank's share of the global batch."""
+    adv = group_advantages(batch.rewards, batch.group_ids, cfg.algorithm.adv_eps)
+    seqs = batch.sequences()
+    mb = cfg.trainer.micro_batch_size
+    chunks = [(collate(seqs[i:i + mb], pad_id), adv[i:i + mb]) for i in range(0, len(seqs), mb)]
+    local = torch.tensor([float(batch.completion_lens.sum()), float(len(batch)),
+                          float(batch.rewards.sum()), float(batch.finished.sum())])
+    dist.all_reduce(local)  # every rank needs the global normaliser
+    n_tokens, n_seqs, reward_sum, finished = local.tolist()
+    norm = n_tokens if cfg.algorithm.loss_agg == "token_mean" else n_seqs
+
+    def loss_fn(logp, mbatch, i):
+        return clipped_policy_loss(logp, mbatch.old_logp, chunks[i][1].to(logp.device),
+                                   mbatch.mask, cfg.algorithm.clip_eps, cfg.algorithm.loss_agg,
+                                   norm)
+
+    stats = trainer.step([c[0] for c in chunks], loss_fn)
+    stats.update(n_tokens=n_tokens, n_seqs=n_seqs, reward_sum=reward_sum, finished=finished)
+    return stats
+
+
+def save_policy(model: torch.nn.Module, src_dir: str, out_dir: Path, writer: bool) -> None:
+    """Gather the full weights (collective) and write a HF directory loadable by transformers
+    and vLLM (safetensors + config + tokenizer)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from llamarl.tiny.model import save_hf_dir
+
+    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
+             for k, v in model.state_dict().items()}
+    if writer:
+        save_hf_dir(out_dir, state, AutoConfig.from_pretrained(src_dir),
+                    AutoTokenizer.from_pretrained(src_dir))
+    dist.barrier()
+
+
+def summarize(rt: Runtime, final_dir: Path) -> None:
+    before = json.loads(rt.wait_key("eval/result/0"))
+    after = json.loads(rt.wait_key(f"eval/result/{rt.cfg.run.steps}"))
+    log(rt, f"held-out reward (sampled, T={rt.cfg.generator.temperature}): "
+            f"before {before['reward_mean']:.3f} -> after {after['reward_mean']:.3f} "
+            f"(greedy {before['reward_mean_greedy']:.3f} -> {after['reward_mean_greedy']:.3f})")
+    log(rt, f"final policy: {final_dir}")
+    print(f"run directory: {rt.run_dir}", flush=True)

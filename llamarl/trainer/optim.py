@@ -1,0 +1,28 @@
+"""AdamW and the learning-rate schedule (linear warmup, then constant or cosine to 10%)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from llamarl.config import TrainerConfig
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainerConfig,
+                    total_steps: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
+                            weight_decay=cfg.weight_decay, foreach=True)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total_steps))
+
+
+def lr_lambda(cfg: TrainerConfig, total_steps: int):
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        if cfg.lr_schedule == "cosine":
+            span = max(1, total_steps - cfg.warmup_steps)
+            progress = min(1.0, (step - cfg.warmup_steps) / span)
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+        return 1.0
+    return factor

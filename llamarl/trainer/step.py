@@ -1,0 +1,86 @@
+"""One optimizer step over micro-batches, shared by every loss (GRPO, the SFT warm start).
+
+FSDP2 averages gradients over the D trainer ranks, so each rank back-propagates D x its share of
+the global loss: the result is the gradient of the global loss, however the batch is cut.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from llamarl.config import TrainerConfig
+from llamarl.trainer.optim import build_optimizer
+from llamarl.trainer.policy import TokenBatch, token_logprobs
+
+# loss_fn(logp [B, T-1], micro-batch, micro-batch index) -> (loss share, stats of sums)
+LossFn = Callable[[torch.Tensor, TokenBatch, int], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+class PolicyTrainer:
+    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, total_steps: int,
+                 dp_size: int, device: torch.device, temperature: float = 1.0):
+        self.model = model
+        self.cfg = cfg
+        self.dp_size = dp_size
+        self.device = device
+        self.temperature = temperature
+        self.opt, self.sched = build_optimizer(model, cfg, total_steps)
+        self.skipped_steps = 0
+
+    def step(self, micro_batches: list[TokenBatch], loss_fn: LossFn) -> dict[str, float]:
+        """Forward/backward every micro-batch, clip, step. Returns scalars summed over ranks
+        (`loss`, every stat) plus `grad_norm` and `lr`."""
+        self.model.train()
+        self.opt.zero_grad(set_to_none=True)
+        totals: dict[str, torch.Tensor] = {"loss": torch.zeros((), device=self.device)}
+        last = len(micro_batches) - 1
+        for i, mb in enumerate(micro_batches):
+            if hasattr(self.model, "set_requires_gradient_sync"):
+                self.model.set_requires_gradient_sync(i == last)  # reduce-scatter once
+            mb = mb.to(self.device)
+            logp = token_logprobs(self.model, mb, self.temperature)
+            loss, stats = loss_fn(logp, mb, i)
+            (loss * self.dp_size).backward()
+            totals["loss"] += loss.detach()
+            for k, v in stats.items():
+                if k.endswith("_max"):
+                    totals[k] = torch.maximum(totals.get(k, v.detach()), v.detach())
+                else:
+                    totals[k] = totals.get(k, torch.zeros((), device=self.device)) + v.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        out = all_reduce_stats(totals)
+        out["grad_norm"] = float(grad_norm)
+        out["lr"] = self.sched.get_last_lr()[0]
+        if math.isfinite(out["grad_norm"]) and math.isfinite(out["loss"]):
+            self.opt.step()
+        else:  # every rank sees the same reduced numbers, so all skip together
+            self.skipped_steps += 1
+            out["skipped"] = 1.0
+        self.sched.step()
+        return out
+
+
+def all_reduce_stats(stats: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Sum (or max, for keys ending in _max) scalars over the default (trainer) group."""
+    keys = sorted(stats)
+    if not dist.is_initialized():
+        return {k: float(stats[k]) for k in keys}
+    sums = [k for k in keys if not k.endswith("_max")]
+    maxes = [k for k in keys if k.endswith("_max")]
+    out = {}
+    if sums:
+        t = torch.stack([stats[k].float().reshape(()) for k in sums])
+        dist.all_reduce(t)
+        out.update(zip(sums, t.tolist()))
+    if maxes:
+        t = torch.stack([stats[k].float().reshape(()) for k in maxes])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        out.update(zip(maxes, t.tolist()))
+    return out
