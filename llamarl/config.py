@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -48,7 +48,7 @@ class TrainerConfig:
     micro_batch_size: int = 32  # sequences per forward/backward
     lr: float = 1e-4
     weight_decay: float = 0.0
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     grad_clip: float = 1.0
     warmup_steps: int = 0
     lr_schedule: str = "constant"  # constant | cosine
@@ -80,8 +80,8 @@ class GeneratorConfig:
 @dataclass
 class RewardConfig:
     # Registry names (llamarl/rewards/registry.py) or "module:function"; weights default to 1.
-    functions: List[str] = field(default_factory=lambda: ["reverse_match"])
-    weights: List[float] = field(default_factory=list)
+    functions: list[str] = field(default_factory=lambda: ["reverse_match"])
+    weights: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -196,7 +196,7 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
-def load_config(recipe: Optional[str | Path] = None, overrides: List[str] = ()) -> Config:
+def load_config(recipe: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Load `recipe` (YAML) onto the defaults, apply `key=value` overrides, validate."""
     base = OmegaConf.structured(Config)
     layers = [base]

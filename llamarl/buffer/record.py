@@ -60,7 +60,7 @@ class RolloutBatch:
     def from_lists(cls, prompts: list[list[int]], completions: list[list[int]],
                    logprobs: list[list[float]], rewards: list[float], group_ids: list[int],
                    finished: list[bool], policy_version: int, generator: int,
-                   info: dict | None = None) -> "RolloutBatch":
+                   info: dict | None = None) -> RolloutBatch:
         b = len(prompts)
 
         def flat(rows, dtype):
@@ -87,13 +87,14 @@ class RolloutBatch:
         p_off = torch.cumsum(self.prompt_lens, 0).tolist()
         c_off = torch.cumsum(self.completion_lens, 0).tolist()
         out, p0, c0 = [], 0, 0
-        pid, cid, lp = self.prompt_ids.tolist(), self.completion_ids.tolist(), self.logprobs.tolist()
+        pid, cid = self.prompt_ids.tolist(), self.completion_ids.tolist()
+        lp = self.logprobs.tolist()
         for p1, c1 in zip(p_off, c_off):
             out.append((pid[p0:p1], cid[c0:c1], lp[c0:c1]))
             p0, c0 = p1, c1
         return out
 
-    def select(self, rows: list[int]) -> "RolloutBatch":
+    def select(self, rows: list[int]) -> RolloutBatch:
         """The sub-batch of sequences `rows`, in that order."""
         seqs = self.sequences()
         return RolloutBatch.from_lists(
@@ -102,13 +103,13 @@ class RolloutBatch:
             [bool(x) for x in self.finished[rows].tolist()], 0, 0, dict(self.info)
         )._with(policy_version=self.policy_version[rows], generator=self.generator[rows])
 
-    def _with(self, **cols) -> "RolloutBatch":
+    def _with(self, **cols) -> RolloutBatch:
         for k, v in cols.items():
             setattr(self, k, v.clone())
         return self
 
     @staticmethod
-    def concat(batches: list["RolloutBatch"]) -> "RolloutBatch":
+    def concat(batches: list[RolloutBatch]) -> RolloutBatch:
         assert batches
         cols = {f.name: torch.cat([getattr(b, f.name) for b in batches])
                 for f in fields(RolloutBatch) if f.name != "info"}

@@ -21,8 +21,8 @@ import json
 import mmap
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -143,8 +143,18 @@ class ShmChannel:
         return batch
 
     # -- any exit path --------------------------------------------------------------------
-    def close(self) -> None:
-        """Unlink every segment this producer wrote that was never consumed."""
+    def close(self, drain_timeout_s: float = 0.0) -> None:
+        """Producer exit. On a normal exit wait up to `drain_timeout_s` for the consumer to take
+        what is in flight; then (and on failure paths, at once) unlink what was never consumed."""
+        deadline = time.monotonic() + drain_timeout_s
+        try:
+            while self._unacked and self._seq - self._acked() > 0:
+                if time.monotonic() > deadline:
+                    break
+                self.check_alive()
+                time.sleep(_POLL_S)
+        except Exception:  # the store or a peer is gone: nothing will consume them
+            pass
         for name in self._unacked:
             (SHM_DIR / name).unlink(missing_ok=True)
         self._unacked.clear()

@@ -90,9 +90,12 @@ def run_generator(rt: Runtime) -> None:
             due = cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0
             if due or step == cfg.run.steps - 1:
                 evaluator.run(step=step + 1, version=version)
-    finally:
+    except BaseException:
         for ch in channels:
-            ch.close()
+            ch.close()  # failing: unlink what is in flight at once
+        raise
+    for ch in channels:
+        ch.close(drain_timeout_s=rt.cfg.sync.dead_peer_s)
 
 
 def _to_batch(prompts, groups, rewards: RewardModel, version: int, engine: int, step: int,
@@ -128,7 +131,8 @@ class Evaluator:
         greedy = self.engine.generate(ids, 1, 0.0, g.max_new_tokens, seed=0)
         s = sum(self.rewards(c.text, p.answer, p.text) for p, grp in zip(self.prompts, sampled)
                 for c in grp)
-        gr = sum(self.rewards(grp[0].text, p.answer, p.text) for p, grp in zip(self.prompts, greedy))
+        gr = sum(self.rewards(grp[0].text, p.answer, p.text)
+                 for p, grp in zip(self.prompts, greedy))
         if not rt.role.is_engine_leader:
             return
         rt.store.set(f"eval/{step}/{rt.role.index}",

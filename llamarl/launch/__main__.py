@@ -17,7 +17,8 @@ from llamarl.launch.dist_env import from_environ
 from llamarl.launch.layout import compute_layout
 
 USAGE = ("usage: torchrun --nproc-per-node N -m llamarl.launch RECIPE.yaml [key=value ...]\n"
-         "   or: python -m llamarl.launch RECIPE.yaml [key=value ...]   (starts torchrun itself)")
+         "   or: python -m llamarl.launch RECIPE.yaml [key=value ...]   (starts torchrun itself)\n"
+         "   or: python -m llamarl.launch --ranks RECIPE.yaml [key=value ...]  (print N)")
 
 
 def self_launch(n_ranks: int, argv: list[str]) -> None:
@@ -34,10 +35,16 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    print_ranks = argv[0] == "--ranks"
+    if print_ranks:
+        argv = argv[1:]
     recipe, overrides = argv[0], argv[1:]
     env = None
     try:
         cfg = load_config(recipe, overrides)
+        if print_ranks:
+            print(cfg.trainer.ranks + cfg.generator.engines * cfg.generator.tp)
+            return 0
         env = from_environ()
         needed = cfg.trainer.ranks + cfg.generator.engines * cfg.generator.tp
         if env is None:

@@ -3,6 +3,7 @@
 Each rank's watchdog thread bumps its own heartbeat counter in the job store once a second and
 reads everyone else's. A rank fails the job when:
   * a peer wrote a failure report (`report_failure`, on an exception), or
+  * a peer on this host has exited (its pid is gone: found within a second, e.g. kill -9), or
   * a peer's counter has not moved for `dead_after_s` and the peer did not say it is done, or
   * the store itself is unreachable (the launcher agent or rank 0 died).
 The thread then prints one line naming the rank and role, runs the cleanup hooks (shared memory)
@@ -12,11 +13,14 @@ would otherwise wait for its full timeout.
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import socket
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from llamarl.launch.layout import Layout
 
@@ -40,7 +44,11 @@ class Watchdog:
 
     def start(self) -> None:
         self._store = self.make_store()
+        self._store.set(f"proc/{self.rank}", json.dumps({"host": socket.gethostname(),
+                                                          "pid": os.getpid()}))
         self._store.add(f"hb/{self.rank}", 1)
+        self._peers_proc: dict[int, int] = {}  # same-host peers: rank -> pid
+        signal.signal(signal.SIGTERM, self._on_sigterm)
         self._thread = threading.Thread(target=self._run, name="llamarl-watchdog", daemon=True)
         self._thread.start()
 
@@ -78,6 +86,25 @@ class Watchdog:
             return msg or None
         return None
 
+    def _local_pids(self, store, peers: list[int]) -> None:
+        host = socket.gethostname()
+        for r in peers:
+            if r not in self._peers_proc and store.check([f"proc/{r}"]):
+                info = json.loads(store.get(f"proc/{r}"))
+                self._peers_proc[r] = info["pid"] if info["host"] == host else -1
+
+    def _gone_peer(self) -> int | None:
+        """A same-host peer whose process no longer runs (missing or a zombie)."""
+        for r, pid in self._peers_proc.items():
+            if pid > 0 and not _alive(pid):
+                return r
+        return None
+
+    def _on_sigterm(self, signum, frame) -> None:
+        gone = self._gone_peer()
+        why = f"{self.role_name(gone)} died" if gone is not None else "a peer failed"
+        self._die(f"stopped by the launcher (SIGTERM): {why}", code=143)
+
     def _run(self) -> None:
         store = self._store
         peers = [r for r in range(self.layout.world_size) if r != self.rank]
@@ -89,6 +116,11 @@ class Watchdog:
                 msg = self._failure_message(store)
                 if msg:
                     self._die(f"stopping: {msg}")
+                self._local_pids(store, peers)
+                gone = self._gone_peer()
+                if gone is not None and not store.check([f"done/{gone}"]):
+                    pid = self._peers_proc[gone]
+                    self._die(f"{self.role_name(gone)} died (process {pid} is gone)")
                 now = time.monotonic()
                 for r in peers:
                     if store.check([f"done/{r}"]):
@@ -110,11 +142,21 @@ class Watchdog:
                 self._die(f"lost the job's store ({type(e).__name__}: {e}); the launcher agent "
                           "or rank 0 died")
 
-    def _die(self, message: str) -> None:
+    def _die(self, message: str, code: int = 1) -> None:
         print(f"llamarl: {self.role_name(self.rank)}: {message}", file=sys.stderr, flush=True)
         for fn in self.cleanups:
             try:
                 fn()
             except Exception:
                 pass
-        os._exit(1)
+        os._exit(code)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True

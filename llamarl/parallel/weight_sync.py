@@ -5,7 +5,7 @@ trainer publishes once. One sync then is, for each bucket in plan order:
 
     trainer ranks: t_i = param_i.full_tensor()    (FSDP2 all-gather; every trainer rank, lockstep)
     sender:        flat[off_i : off_i + n_i] = t_i ; broadcast(flat, root=0)
-    receivers:     broadcast(flat) ; load_weights([(name_i, flat[off_i : off_i + n_i].view(shape_i))])
+    receivers:     broadcast(flat) ; load_weights([(name_i, flat[off_i:off_i + n_i].view(shape_i))])
 
 so a model of P tensors costs ceil(bytes / bucket_bytes) messages, not P.
 """
@@ -13,8 +13,8 @@ so a model of P tensors costs ceil(bytes / bucket_bytes) messages, not P.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist

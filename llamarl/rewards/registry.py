@@ -8,7 +8,7 @@ an error naming the function and the sample (never a silent zero).
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 from llamarl.tiny.task import reverse_reward
 

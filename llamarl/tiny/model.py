@@ -15,7 +15,7 @@ SPECIAL = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
 
 def build_tokenizer():
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     chars = list(ALPHABET) + [SEPARATOR, " "] + [str(d) for d in range(10)] + list("+-*")

@@ -6,7 +6,7 @@ On-policy loop of trainer rank r (of T), with E engines:
         batch = concat(channel[e -> r].get() for e in engines)      # whole groups, version = step
         A = group_advantages(batch.rewards)                          # GRPO
         PolicyTrainer.step(micro-batches, clipped surrogate)         # one optimizer step
-        WeightSender.send(model)                                     # all ranks gather, rank 0 sends
+        WeightSender.send(model)                 # all ranks gather, rank 0 sends
     save the final policy as a Hugging Face directory
 """
 

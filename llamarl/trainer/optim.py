@@ -9,8 +9,8 @@ import torch
 from llamarl.config import TrainerConfig
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainerConfig,
-                    total_steps: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+def build_optimizer(model: torch.nn.Module, cfg: TrainerConfig, total_steps: int):
+    """AdamW over `model` and its LambdaLR schedule."""
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
                             weight_decay=cfg.weight_decay, foreach=True)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total_steps))

@@ -32,7 +32,7 @@ class TokenBatch:
     mask: torch.Tensor
     old_logp: torch.Tensor
 
-    def to(self, device: torch.device) -> "TokenBatch":
+    def to(self, device: torch.device) -> TokenBatch:
         return TokenBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask,
                                                     self.targets, self.mask, self.old_logp)))
 

@@ -7,7 +7,7 @@ the global loss: the result is the gradient of the global loss, however the batc
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

