@@ -44,7 +44,7 @@ def cache_dir(tmp_path_factory) -> Path:
     return Path(os.environ.get("LLAMARL_TEST_CACHE") or tmp_path_factory.mktemp("cache"))
 
 
-def test_env(**extra) -> dict:
+def child_env(**extra) -> dict:
     env = dict(os.environ)
     env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -58,5 +58,5 @@ def torchrun(nproc: int, args: list[str], timeout: float, **env) -> subprocess.C
     """Run `torchrun --standalone --nproc-per-node nproc ARGS` and capture its output."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=test_env(**env), capture_output=True, text=True,
+    return subprocess.run(cmd, cwd=ROOT, env=child_env(**env), capture_output=True, text=True,
                           timeout=timeout)

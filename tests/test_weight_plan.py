@@ -1,7 +1,12 @@
 import torch
 
-from llamarl.parallel.weight_sync import (TensorMeta, metas_from_json, metas_to_json,
-                                          model_tensors, plan_buckets)
+from llamarl.parallel.weight_sync import (
+    TensorMeta,
+    metas_from_json,
+    metas_to_json,
+    model_tensors,
+    plan_buckets,
+)
 
 
 def test_buckets_group_by_dtype_and_respect_the_size():

@@ -68,11 +68,14 @@ def main(argv: list[str] | None = None) -> int:
             run_generator(rt)
         rt.watchdog.mark_done()
     except BaseException as e:  # noqa: BLE001 - report every failure to the peers, then exit
-        rt.watchdog.report_failure(f"{type(e).__name__}: {e}")
-        if not isinstance(e, (KeyboardInterrupt, ValueError)):
+        error = f"{type(e).__name__}: {e}"
+        dead = rt.watchdog.dead_peer()  # a dead peer is the cause, not this rank's error
+        if not isinstance(e, (KeyboardInterrupt, ValueError)) and dead is None:
             traceback.print_exc()
-        print(f"llamarl: {rt.watchdog.role_name(env.rank)} failed: {type(e).__name__}: {e}",
-              file=sys.stderr, flush=True)
+        message = f"{dead}; stopping ({error})" if dead else error
+        rt.watchdog.report_failure(message)
+        print(f"llamarl: {rt.watchdog.role_name(env.rank)}: {message}", file=sys.stderr,
+              flush=True)
         rt.cleanup_shared_memory()
         os._exit(1)
     rt.watchdog.stop()

@@ -9,6 +9,7 @@ environment, global rank 0 hosts it there. No `tcp://` rendezvous is used (DESIG
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import socket
 import sys
@@ -106,6 +107,10 @@ def setup(cfg: Config, layout: Layout, env: DistEnv) -> Runtime:
     rt_info = json.loads(_wait(store, "run", watchdog))
     rt = Runtime(cfg, layout, role, env, store, prefix, rt_info["id"], Path(rt_info["dir"]),
                  device, watchdog)
+    if rt.run_dir.is_dir():  # shared filesystem (always on one host): who runs where
+        with open(rt.run_dir / "ranks.jsonl", "a") as f:
+            f.write(json.dumps({"rank": env.rank, "role": role.name, "host": socket.gethostname(),
+                                "pid": os.getpid(), "device": str(device)}) + "\n")
     watchdog.cleanups.append(rt.cleanup_shared_memory)
     return rt
 

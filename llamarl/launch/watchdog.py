@@ -60,13 +60,26 @@ class Watchdog:
         """Tell every rank why this one is failing (first report wins)."""
         try:
             store = self.make_store()
-            store.compare_set("failed", "", f"{self.role_name(self.rank)} failed: {message}")
+            store.compare_set("failed", "", f"{self.role_name(self.rank)}: {message}")
             store.set(f"done/{self.rank}", "failed")
         except Exception:  # the store may be gone too; the exit code still tells
             pass
 
     def mark_done(self) -> None:
         self._store_main().set(f"done/{self.rank}", "ok")
+
+    def dead_peer(self) -> str | None:
+        """Name a peer on this host whose process is gone (the usual root cause when a
+        collective fails with 'connection closed'), or None."""
+        try:
+            store = self._store_main()
+            self._local_pids(store, [r for r in range(self.layout.world_size) if r != self.rank])
+        except Exception:
+            pass
+        gone = self._gone_peer(self._store_main())
+        if gone is None:
+            return None
+        return f"{self.role_name(gone)} died (process {self._peers_proc[gone]} is gone)"
 
     def check(self) -> None:
         """Raise if the job has failed (for waits in the main thread)."""
@@ -93,17 +106,32 @@ class Watchdog:
                 info = json.loads(store.get(f"proc/{r}"))
                 self._peers_proc[r] = info["pid"] if info["host"] == host else -1
 
-    def _gone_peer(self) -> int | None:
-        """A same-host peer whose process no longer runs (missing or a zombie)."""
+    def _gone_peer(self, store=None) -> int | None:
+        """A same-host peer whose process no longer runs (missing or a zombie) and that did
+        not end on its own terms (done, failed with a report, or stopped by the launcher)."""
         for r, pid in self._peers_proc.items():
             if pid > 0 and not _alive(pid):
+                try:
+                    if store is not None and store.check([f"done/{r}"]):
+                        continue
+                except Exception:
+                    pass
                 return r
         return None
 
     def _on_sigterm(self, signum, frame) -> None:
-        gone = self._gone_peer()
-        why = f"{self.role_name(gone)} died" if gone is not None else "a peer failed"
-        self._die(f"stopped by the launcher (SIGTERM): {why}", code=143)
+        why, store = "a peer failed", None
+        try:
+            store = self._store_main()
+            store.set(f"done/{self.rank}", "terminated")  # a casualty, not the cause
+            gone = self._gone_peer(store)
+            if gone is not None:
+                why = f"{self.role_name(gone)} died (process {self._peers_proc[gone]} is gone)"
+            elif store.check(["failed"]):
+                why = store.get("failed").decode()
+        except Exception:
+            pass
+        self._die(why, store, code=143, prefix="stopped by the launcher (SIGTERM): ")
 
     def _run(self) -> None:
         store = self._store
@@ -115,12 +143,12 @@ class Watchdog:
                 store.add(f"hb/{self.rank}", 1)
                 msg = self._failure_message(store)
                 if msg:
-                    self._die(f"stopping: {msg}")
+                    self._die(msg, store, prefix="stopping: ")
                 self._local_pids(store, peers)
-                gone = self._gone_peer()
-                if gone is not None and not store.check([f"done/{gone}"]):
+                gone = self._gone_peer(store)
+                if gone is not None:
                     pid = self._peers_proc[gone]
-                    self._die(f"{self.role_name(gone)} died (process {pid} is gone)")
+                    self._die(f"{self.role_name(gone)} died (process {pid} is gone)", store)
                 now = time.monotonic()
                 for r in peers:
                     if store.check([f"done/{r}"]):
@@ -133,17 +161,26 @@ class Watchdog:
                     limit = self.dead_after_s if count > 0 else self.startup_grace_s
                     if now - since > limit:
                         what = "no heartbeat" if count > 0 else "never started"
-                        self._die(f"{self.role_name(r)} is dead ({what} for {now - since:.0f} s)")
+                        self._die(f"{self.role_name(r)} is dead ({what} for {now - since:.0f} s)",
+                                  store)
             except Exception as e:  # the store is gone: the agent or rank 0 died
                 if self._stop.is_set():
                     return
                 if time.monotonic() - start < 5:
                     continue
                 self._die(f"lost the job's store ({type(e).__name__}: {e}); the launcher agent "
-                          "or rank 0 died")
+                          "or rank 0 died", None)
 
-    def _die(self, message: str, code: int = 1) -> None:
-        print(f"llamarl: {self.role_name(self.rank)}: {message}", file=sys.stderr, flush=True)
+    def _die(self, cause: str, store, code: int = 1, prefix: str = "") -> None:
+        """Record `cause` for the peers (first report wins), clean up, end the process."""
+        if store is not None:
+            try:
+                store.compare_set("failed", "", cause)
+                store.set(f"done/{self.rank}", "stopped")
+            except Exception:
+                pass
+        print(f"llamarl: {self.role_name(self.rank)}: {prefix}{cause}", file=sys.stderr,
+              flush=True)
         for fn in self.cleanups:
             try:
                 fn()

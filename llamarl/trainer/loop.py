@@ -152,7 +152,8 @@ def grpo_step(trainer: PolicyTrainer, batch: RolloutBatch, cfg, pad_id: int) -> 
     chunks = [(collate(seqs[i:i + mb], pad_id), adv[i:i + mb]) for i in range(0, len(seqs), mb)]
     local = torch.tensor([float(batch.completion_lens.sum()), float(len(batch)),
                           float(batch.rewards.sum()), float(batch.finished.sum())])
-    dist.all_reduce(local)  # every rank needs the global normaliser
+    if dist.is_initialized():
+        dist.all_reduce(local)  # every rank needs the global normaliser
     n_tokens, n_seqs, reward_sum, finished = local.tolist()
     norm = n_tokens if cfg.algorithm.loss_agg == "token_mean" else n_seqs
 

@@ -1,0 +1,135 @@
+"""End to end through the real launcher on the real recipe: a few GRPO steps, the run directory,
+the exported policy, and the failure paths (bad world size, a rank killed with SIGKILL)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, child_env, torchrun
+
+pytestmark = pytest.mark.slow
+RECIPE = "recipes/tiny_grpo_cpu.yaml"
+SMALL = ["generator.prompts_per_step=8", "data.eval_prompts=16", "run.eval_every=2"]
+
+
+def run_dirs(out: Path) -> list[Path]:
+    return sorted(p for p in out.iterdir() if p.is_dir()) if out.exists() else []
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, cache_dir):
+    out = tmp_path_factory.mktemp("runs")
+    cmd = [sys.executable, "-m", "llamarl.launch", RECIPE, "run.steps=3",
+           f"run.output_dir={out}", *SMALL]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(LLAMARL_CACHE=cache_dir),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    (run,) = run_dirs(out)
+    return run, proc, time.monotonic() - t0
+
+
+def test_launch_writes_the_run_directory(finished_run):
+    run, proc, _ = finished_run
+    assert f"run directory: {run}" in proc.stdout
+    assert "held-out reward" in proc.stderr and "before" in proc.stderr
+    assert (run / "recipe.yaml").read_text().strip()
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        for key in ("reward_mean", "policy_version", "step_time_s", "tokens_generated",
+                    "generate_s", "transfer_s", "train_s", "sync_s"):
+            assert key in r, key
+        assert 0.0 <= r["reward_mean"] <= 1.0 and r["tokens_generated"] > 0
+        assert r["mismatch_kl"] < 1e-4, "engine and trainer disagree after weight syncs"
+    assert [r["policy_version"] for r in rows] == [1, 2, 3]
+    evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 2, 3]
+    roles = [json.loads(x)["role"] for x in (run / "ranks.jsonl").read_text().splitlines()]
+    assert sorted(roles) == ["generator 0", "trainer 0", "trainer 1"]
+    assert not list(Path("/dev/shm").glob(f"llamarl_{run.name.split('-', 2)[-1]}*"))
+
+
+def test_final_policy_loads_in_transformers(finished_run):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    policy = finished_run[0] / "policy"
+    assert (policy / "model.safetensors").is_file()
+    model = AutoModelForCausalLM.from_pretrained(policy)
+    tok = AutoTokenizer.from_pretrained(policy)
+    ids = torch.tensor([[tok.bos_token_id] + tok.encode("abc=", add_special_tokens=False)])
+    assert model(ids).logits.shape[-1] == len(tok)
+
+
+def test_final_policy_loads_in_vllm(finished_run):
+    policy = finished_run[0] / "policy"
+    code = ("from llamarl.config import GeneratorConfig\n"
+            "from llamarl.generator.engine import Engine\n"
+            "if __name__ == '__main__':\n"
+            f"    e = Engine({str(policy)!r}, GeneratorConfig(max_model_len=64), 'float32', 0,"
+            " True)\n"
+            "    out = e.generate([[1, 4, 5, 16]], 2, 1.0, 8, seed=0)\n"
+            "    print('GEN', len(out[0]), len(out[0][0].token_ids))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "GEN 2" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_world_size_that_does_not_fit_is_a_one_line_error(tmp_path):
+    t0 = time.monotonic()
+    proc = torchrun(2, ["-m", "llamarl.launch", RECIPE, f"run.output_dir={tmp_path}"],
+                    timeout=120)
+    assert proc.returncode != 0
+    assert "world size 2 does not fit the recipe" in proc.stderr
+    assert "--nproc-per-node 3" in proc.stderr
+    assert time.monotonic() - t0 < 60
+    assert not run_dirs(tmp_path), "nothing may start when the layout does not fit"
+
+
+def test_killed_generator_stops_every_rank_with_a_named_error(tmp_path, cache_dir):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
+           "-m", "llamarl.launch", RECIPE, "run.steps=100000", f"run.output_dir={tmp_path}",
+           *SMALL]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(LLAMARL_CACHE=cache_dir),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        metrics = None
+        while time.monotonic() < deadline:
+            runs = run_dirs(tmp_path)
+            metrics = runs[0] / "metrics.jsonl" if runs else None
+            if metrics and metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+                break
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            time.sleep(0.5)
+        else:
+            pytest.fail("the run never reached step 2")
+        run = metrics.parent
+        ranks = [json.loads(x) for x in (run / "ranks.jsonl").read_text().splitlines()]
+        gen = next(r for r in ranks if r["role"] == "generator 0")
+        others = [r["pid"] for r in ranks if r is not gen]
+        os.kill(gen["pid"], signal.SIGKILL)
+        t_kill = time.monotonic()
+        out, _ = proc.communicate(timeout=90)
+        elapsed = time.monotonic() - t_kill
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert elapsed < 60, f"took {elapsed:.1f} s to stop"
+    assert "rank 2 (generator 0)" in out, out[-3000:]
+    named = [line for line in out.splitlines() if "llamarl:" in line]
+    print(f"stopped {elapsed:.1f} s after SIGKILL; messages: {named}")
+    for pid in others:
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
+    run_id = run.name.split("-", 2)[-1]
+    assert not list(Path("/dev/shm").glob(f"llamarl_{run_id}*"))
