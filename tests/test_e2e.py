@@ -94,6 +94,22 @@ def test_world_size_that_does_not_fit_is_a_one_line_error(tmp_path):
     assert not run_dirs(tmp_path), "nothing may start when the layout does not fit"
 
 
+def test_failing_reward_function_stops_every_rank_naming_the_generator(tmp_path, cache_dir):
+    t0 = time.monotonic()
+    proc = torchrun(3, ["-m", "llamarl.launch", RECIPE, "run.steps=5",
+                        f"run.output_dir={tmp_path}", "reward.functions=[user_rewards:broken]",
+                        *SMALL], timeout=300, LLAMARL_CACHE=cache_dir,
+                    PYTHONPATH=Path(__file__).parent)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    line = next(x for x in out.splitlines() if x.startswith("llamarl: rank 0 (trainer 0)"))
+    assert "rank 2 (generator 0)" in line and "user_rewards:broken" in line, line
+    assert "ZeroDivisionError" in line
+    assert time.monotonic() - t0 < 240
+    (run,) = run_dirs(tmp_path)
+    assert not list(Path("/dev/shm").glob(f"llamarl_{run.name.split('-', 2)[-1]}*"))
+
+
 def test_killed_generator_stops_every_rank_with_a_named_error(tmp_path, cache_dir):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
            "-m", "llamarl.launch", RECIPE, "run.steps=100000", f"run.output_dir={tmp_path}",

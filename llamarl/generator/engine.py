@@ -43,6 +43,7 @@ class EngineWorld:
 def prepare_environment(world: EngineWorld | None, on_cpu: bool) -> None:
     """Set the environment vLLM reads at engine start (call before importing vllm)."""
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not one INFO line per weight load
     if on_cpu:
         # Several ranks share the cores; vLLM must not pin its OpenMP threads to all of them.
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")

@@ -74,6 +74,8 @@ def run_trainer(rt: Runtime) -> None:
     model_path = resolve_model_path(rt, mesh)
     if r == 0:
         rt.store.set("model/path", model_path)
+        (rt.run_dir / "model.json").write_text(json.dumps({"spec": cfg.model.path,
+                                                            "path": model_path}))
     model = load_policy(model_path, cfg.model.dtype).to(rt.device)
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_path)
