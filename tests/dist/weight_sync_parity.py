@@ -1,0 +1,111 @@
+"""torchrun --nproc-per-node 3 (2 FSDP2 trainer ranks + 1 vLLM generator), via llamarl's own
+runtime. The trainers change the policy with real optimizer steps and broadcast it; the
+generator compares its engine with the trainer's model before and after the sync and writes
+the findings to $OUT (JSON)."""
+
+import json
+import os
+
+import torch
+
+from llamarl.config import load_config
+from llamarl.launch.dist_env import from_environ
+from llamarl.launch.layout import compute_layout
+from llamarl.launch.runtime import setup
+
+PROMPTS = ["abc=", "hello=", "kjf=", "aaab=", "lkji=", "bca="]
+
+
+def trainer(rt, model_dir):
+    from llamarl.parallel.fsdp import apply_fsdp
+    from llamarl.parallel.groups import make_group
+    from llamarl.parallel.weight_sync import WeightSender, metas_to_json
+    from llamarl.tiny.warmstart import sft_batches
+    from llamarl.trainer.loop import init_trainer_group
+    from llamarl.trainer.policy import load_policy
+    from llamarl.trainer.step import PolicyTrainer
+    from transformers import AutoTokenizer
+
+    mesh = init_trainer_group(rt)
+    model = load_policy(model_dir, "float32")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    apply_fsdp(model, mesh, torch.float32)
+    sender = WeightSender(model, bucket_mb=1, group=None, device=rt.device)  # several buckets
+    if rt.role.index == 0:
+        rt.store.set("wsync/meta", metas_to_json(sender.metas))
+        sender.group = make_group(rt.group_spec("wsync", 0, 2))
+    rt.wait_key("gen/before_done")
+    pt = PolicyTrainer(model, rt.cfg.trainer, 5, 2, rt.device)
+    for step in range(5):  # supervised steps: a real, large change of every weight
+        mbs = sft_batches(tok, step, rt.role.index, 2, micro=32)
+        n = float(sum(mb.mask.sum() for mb in mbs)) * 2
+        pt.step(mbs, lambda logp, mb, i: (-(logp * mb.mask).sum() / n, {}))
+    sender.send(model)
+    state = {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
+    if rt.role.index == 0:
+        torch.save(state, os.environ["OUT"] + ".pt")
+        rt.store.set("trainer/saved", "1")
+    rt.store.set("trainer/nbuckets", str(len(sender.buckets)))
+
+
+def generator(rt, model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from llamarl.generator.engine import Engine
+
+    engine = Engine(model_dir, rt.cfg.generator, "float32", seed=0, on_cpu=rt.on_cpu)
+    from llamarl.parallel.groups import GroupSpec  # noqa: F401
+    engine.join_weight_group(rt.group_spec("wsync", 1, 2), rt.wait_key("wsync/meta"), 1)
+    tok = engine.tokenizer
+    ids = [[tok.bos_token_id] + tok.encode(p, add_special_tokens=False) for p in PROMPTS]
+    before = engine.generate(ids, 1, 0.0, 10)
+    sum_before = engine.checksum()
+    rt.store.set("gen/before_done", "1")
+    engine.receive_weights()
+    greedy = engine.generate(ids, 1, 0.0, 10)
+    sampled = engine.generate(ids, 4, 1.0, 10, seed=3)
+    rt.wait_key("trainer/saved")
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf.load_state_dict(torch.load(os.environ["OUT"] + ".pt"), strict=False)
+    hf.tie_weights()
+    hf.eval()
+
+    def hf_logprobs(prompt, completion, temperature):
+        x = torch.tensor([prompt + completion])
+        with torch.no_grad():
+            logits = hf(x).logits[0, len(prompt) - 1:-1].float() / temperature
+        lp = torch.log_softmax(logits, -1)
+        return lp.gather(-1, torch.tensor(completion)[:, None])[:, 0], lp.argmax(-1)
+
+    max_dlp, greedy_match = 0.0, True
+    for p, grp in zip(ids, greedy):
+        c = grp[0]
+        lp, argmax = hf_logprobs(p, c.token_ids, 1.0)
+        greedy_match &= argmax.tolist() == c.token_ids
+        max_dlp = max(max_dlp, (lp - torch.tensor(c.logprobs)).abs().max().item())
+    for p, grp in zip(ids, sampled):
+        for c in grp:
+            lp, _ = hf_logprobs(p, c.token_ids, 1.0)
+            max_dlp = max(max_dlp, (lp - torch.tensor(c.logprobs)).abs().max().item())
+    result = {
+        "greedy_match": greedy_match, "max_abs_dlogprob": max_dlp,
+        "changed_tokens": [a[0].token_ids != b[0].token_ids for a, b in zip(before, greedy)],
+        "checksum_before": sum_before, "checksum_after": engine.checksum(),
+        "buckets": int(rt.wait_key("trainer/nbuckets")),
+    }
+    with open(os.environ["OUT"], "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    model_dir = os.environ["MODEL_DIR"]
+    cfg = load_config(None, [f"model.path={model_dir}", "generator.max_model_len=64",
+                             "generator.max_new_tokens=10", "trainer.lr=3e-3",
+                             f"run.output_dir={os.environ['RUNS']}"])
+    env = from_environ()
+    rt = setup(cfg, compute_layout(env.world_size, env.local_world_size, 2, 1, 1), env)
+    (trainer if rt.role.role == "trainer" else generator)(rt, model_dir)
+    rt.watchdog.mark_done()
+    rt.watchdog.stop()
+    os._exit(0)
