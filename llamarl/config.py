@@ -61,6 +61,13 @@ class AlgorithmConfig:
     clip_eps: float = 0.2
     loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean
     adv_eps: float = 1e-6  # added to the group std in GRPO's normalisation
+    # Off-policy / mismatch correction against the behaviour policy that sampled the tokens
+    # (see llamarl/algorithms/offpolicy.py): none (PPO clip) | aipo | tis | icepop
+    correction: str = "none"
+    is_cap: float = 2.0  # AIPO's delta / truncated IS's C: importance ratios are capped here
+    tis_level: str = "token"  # token | sequence (truncated IS weight per token or per sequence)
+    icepop_low: float = 0.5  # IcePop: tokens whose ratio leaves [low, high] are masked
+    icepop_high: float = 2.0
 
 
 @dataclass
@@ -119,6 +126,8 @@ _CHOICES = {
     "trainer.lr_schedule": ("constant", "cosine"),
     "algorithm.name": ("grpo",),
     "algorithm.loss_agg": ("token_mean", "seq_mean_token_mean"),
+    "algorithm.correction": ("none", "aipo", "tis", "icepop"),
+    "algorithm.tis_level": ("token", "sequence"),
 }
 
 
@@ -172,17 +181,25 @@ def validate(cfg: Config) -> Config:
         _fail("trainer.betas", cfg.trainer.betas, "must be two numbers in [0, 1)")
     if not 0 < cfg.algorithm.clip_eps < 1:
         _fail("algorithm.clip_eps", cfg.algorithm.clip_eps, "must be in (0, 1)")
-    if cfg.sync.max_staleness != 0:
+    if cfg.sync.max_staleness < cfg.sync.every - 1:
         _fail("sync.max_staleness", cfg.sync.max_staleness,
-              "only 0 (strictly on-policy) is implemented so far")
-    if cfg.sync.every != 1:
-        _fail("sync.every", cfg.sync.every,
-              "on-policy training (max_staleness=0) needs a weight sync after every step: use 1")
+              f"with weights sent every {cfg.sync.every} steps (sync.every) samples are up to "
+              f"{cfg.sync.every - 1} versions old: set sync.max_staleness >= "
+              f"{cfg.sync.every - 1} or sync.every = 1")
+    if cfg.algorithm.is_cap <= 1:
+        _fail("algorithm.is_cap", cfg.algorithm.is_cap, "must be > 1 (a cap on ratios near 1)")
+    if not 0 < cfg.algorithm.icepop_low < 1 < cfg.algorithm.icepop_high:
+        _fail("algorithm.icepop_low/high", [cfg.algorithm.icepop_low, cfg.algorithm.icepop_high],
+              "need 0 < icepop_low < 1 < icepop_high")
     if not cfg.reward.functions:
         _fail("reward.functions", cfg.reward.functions, "name at least one reward function")
     if cfg.reward.weights and len(cfg.reward.weights) != len(cfg.reward.functions):
         _fail("reward.weights", cfg.reward.weights,
               f"give one weight per reward function ({len(cfg.reward.functions)}) or none")
+    if cfg.generator.tp > 1:
+        _fail("generator.tp", cfg.generator.tp,
+              "tensor-parallel engines are laid out (llamarl/launch/layout.py) but their SPMD "
+              "control path is not implemented yet: use generator.tp=1 and more engines")
     per_rank = cfg.generator.engines * cfg.trainer.ranks
     if cfg.generator.prompts_per_step % per_rank:
         _fail("generator.prompts_per_step", cfg.generator.prompts_per_step,

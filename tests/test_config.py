@@ -40,7 +40,9 @@ def test_cli_overrides_beat_yaml(tmp_path):
     (["trainer.lr_schedule=linear"], ["trainer.lr_schedule", "constant, cosine"]),
     (["generator.prompts_per_step=5"], ["prompts_per_step", "multiple"]),
     (["generator.samples_per_prompt=1"], ["samples_per_prompt"]),
-    (["sync.max_staleness=2"], ["max_staleness"]),
+    (["sync.every=3", "sync.max_staleness=1"], ["max_staleness", ">= 2"]),
+    (["algorithm.correction=vtrace"], ["algorithm.correction", "aipo"]),
+    (["generator.tp=2"], ["generator.tp", "tp=1"]),
     (["reward.weights=[1,2]"], ["reward.weights"]),
     (["run.steps"], ["key=value"]),
 ])

@@ -1,10 +1,13 @@
-"""GRPO math against values worked out by hand."""
+"""GRPO advantages and every policy loss against values worked out by hand."""
 
 import math
 
+import pytest
 import torch
 
-from llamarl.algorithms.grpo import clipped_policy_loss, group_advantages
+from llamarl.algorithms.grpo import group_advantages
+from llamarl.algorithms.policy_loss import policy_loss
+from llamarl.config import AlgorithmConfig
 
 
 def test_group_advantages_by_hand():
@@ -23,45 +26,96 @@ def test_all_equal_group_gets_zero_advantage():
 
 
 def _example():
-    # seq 0 (A = +1): token ratios 1.5 and 1.0; seq 1 (A = -1): one token with ratio 0.5
+    """seq 0 (A = +1): token ratios 1.5 and 1.0; seq 1 (A = -1): one token with ratio 0.5."""
     old = torch.zeros(2, 3)
-    logp = torch.tensor([[math.log(1.5), 0.0, 0.0], [math.log(0.5), 0.0, 0.0]])
+    logp = torch.tensor([[math.log(1.5), 0.0, 0.0], [math.log(0.5), 0.0, 0.0]],
+                        requires_grad=True)
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     adv = torch.tensor([1.0, -1.0])
     return logp, old, adv, mask
 
 
-def test_clipped_surrogate_token_mean_by_hand():
+def _run(agg="token_mean", norm=3, **kw):
+    logp, old, adv, mask = _example()
+    loss, stats = policy_loss(logp, old, adv, mask, AlgorithmConfig(loss_agg=agg, **kw), norm)
+    loss.backward()
+    grads = [logp.grad[0, 0].item(), logp.grad[0, 1].item(), logp.grad[1, 0].item()]
+    return loss.item(), stats, grads
+
+
+def test_ppo_clip_token_mean_by_hand():
     # per-token: -min(1.5, 1.2) = -1.2 ; -min(1.0, 1.0) = -1.0 ; -min(-0.5, -0.8) = +0.8
-    logp, old, adv, mask = _example()
-    loss, stats = clipped_policy_loss(logp, old, adv, mask, 0.2, "token_mean", normalizer=3)
-    assert math.isclose(loss.item(), (-1.2 - 1.0 + 0.8) / 3, rel_tol=1e-6)
-    assert stats["clip_frac"].item() == 2.0
-    assert math.isclose(stats["ratio_max"].item(), 1.5, rel_tol=1e-6)
+    loss, stats, grads = _run(clip_eps=0.2)
+    assert loss == pytest.approx((-1.2 - 1.0 + 0.8) / 3)
+    assert stats["corrected"].item() == 2.0
+    assert stats["ratio_max"].item() == pytest.approx(1.5)
+    assert stats["ratio_min"].item() == pytest.approx(0.5)
+    # clipped tokens carry no gradient; the middle one gets -rho A / 3
+    assert grads == pytest.approx([0.0, -1.0 / 3, 0.0])
 
 
-def test_clipped_surrogate_seq_mean_token_mean_by_hand():
-    logp, old, adv, mask = _example()
-    loss, _ = clipped_policy_loss(logp, old, adv, mask, 0.2, "seq_mean_token_mean", normalizer=2)
-    assert math.isclose(loss.item(), ((-1.2 - 1.0) / 2 + 0.8) / 2, rel_tol=1e-6)
+def test_ppo_clip_seq_mean_token_mean_by_hand():
+    loss, _, _ = _run(agg="seq_mean_token_mean", norm=2, clip_eps=0.2)
+    assert loss == pytest.approx(((-1.2 - 1.0) / 2 + 0.8) / 2)
+
+
+def test_aipo_caps_the_ratio_without_ppo_clip():
+    # l = -min(rho, 1.4) A: -1.4 (capped), -1.0, -(0.5)(-1) = +0.5
+    loss, stats, grads = _run(correction="aipo", is_cap=1.4)
+    assert loss == pytest.approx((-1.4 - 1.0 + 0.5) / 3)
+    assert stats["corrected"].item() == 1.0
+    assert grads == pytest.approx([0.0, -1.0 / 3, 0.5 / 3])  # no lower clip: 0.5 still moves
+
+
+def test_truncated_is_token_level():
+    # l = -sg(min(rho, 1.4)) A log pi: gradient -w A = [-1.4, -1.0, +0.5] / 3
+    loss, stats, grads = _run(correction="tis", is_cap=1.4, tis_level="token")
+    expected = -(1.4 * math.log(1.5) + 0.0 + 0.5 * -1 * math.log(0.5)) / 3
+    assert loss == pytest.approx(expected)
+    assert stats["corrected"].item() == 1.0
+    assert grads == pytest.approx([-1.4 / 3, -1.0 / 3, 0.5 / 3])
+
+
+def test_truncated_is_sequence_level():
+    # seq 0: prod rho = 1.5 -> w = 1.4 on both tokens; seq 1: prod rho = 0.5 -> w = 0.5
+    _, stats, grads = _run(correction="tis", is_cap=1.4, tis_level="sequence")
+    assert grads == pytest.approx([-1.4 / 3, -1.4 / 3, 0.5 / 3])
+    assert stats["corrected"].item() == 2.0  # both tokens of the truncated sequence
+
+
+def test_icepop_masks_tokens_outside_the_band():
+    # band [0.6, 1.4]: tokens with rho 1.5 and 0.5 are masked; the rho = 1 token stays
+    loss, stats, grads = _run(correction="icepop", icepop_low=0.6, icepop_high=1.4)
+    assert loss == pytest.approx(-1.0 / 3)
+    assert stats["corrected"].item() == 2.0
+    assert grads == pytest.approx([0.0, -1.0 / 3, 0.0])
+
+
+def test_mismatch_kl_is_zero_on_policy_and_k3_off_policy():
+    _, stats, _ = _run()
+    k3 = (0.5 - math.log(1.5)) + 0.0 + (-0.5 - math.log(0.5))
+    assert stats["mismatch_kl"].item() == pytest.approx(k3)
+    logp = torch.zeros(1, 2)
+    _, s = policy_loss(logp, logp, torch.ones(1), torch.ones(1, 2), AlgorithmConfig(), 2)
+    assert s["mismatch_kl"].item() == 0.0
 
 
 def test_loss_gradient_is_minus_advantage_at_ratio_one():
-    # On-policy (ratio 1) the gradient wrt logp of each token is -A / N_tokens.
-    logp = torch.zeros(2, 2, requires_grad=True)
-    adv = torch.tensor([2.0, -1.0])
-    mask = torch.ones(2, 2)
-    loss, _ = clipped_policy_loss(logp, torch.zeros(2, 2), adv, mask, 0.2, "token_mean", 4)
-    loss.backward()
-    assert torch.allclose(logp.grad, torch.tensor([[-0.5, -0.5], [0.25, 0.25]]))
+    # On-policy (ratio 1) the gradient wrt logp of each token is -A / N_tokens, for all losses.
+    for correction in ("none", "aipo", "tis", "icepop"):
+        logp = torch.zeros(2, 2, requires_grad=True)
+        loss, _ = policy_loss(logp, torch.zeros(2, 2), torch.tensor([2.0, -1.0]),
+                              torch.ones(2, 2), AlgorithmConfig(correction=correction), 4)
+        loss.backward()
+        assert torch.allclose(logp.grad, torch.tensor([[-0.5, -0.5], [0.25, 0.25]])), correction
 
 
 def test_micro_batches_sum_to_the_full_batch_loss():
     torch.manual_seed(0)
     logp, old = torch.randn(6, 5) * 0.1, torch.randn(6, 5) * 0.1
     adv, mask = torch.randn(6), (torch.rand(6, 5) > 0.3).float()
-    n = mask.sum().item()
-    full, _ = clipped_policy_loss(logp, old, adv, mask, 0.2, "token_mean", n)
-    parts = sum(clipped_policy_loss(logp[i:i + 2], old[i:i + 2], adv[i:i + 2], mask[i:i + 2],
-                                    0.2, "token_mean", n)[0] for i in range(0, 6, 2))
+    n, cfg = mask.sum().item(), AlgorithmConfig()
+    full, _ = policy_loss(logp, old, adv, mask, cfg, n)
+    parts = sum(policy_loss(logp[i:i + 2], old[i:i + 2], adv[i:i + 2], mask[i:i + 2], cfg, n)[0]
+                for i in range(0, 6, 2))
     assert torch.allclose(full, parts, atol=1e-6)

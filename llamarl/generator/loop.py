@@ -1,15 +1,18 @@
 """The generator role: sample, score, ship rollouts, load new weights, evaluate.
 
-On-policy loop of engine e (max_staleness = 0), with V the policy version:
+Loop of engine e with max_staleness = k, V = version of the loaded weights:
 
     eval(V=0)
-    for step in 0..steps-1:
-        groups = engine.generate(next prompts of shard e, n samples each)      # policy V = step
+    for b = 0, 1, 2, ...:                              # b: rollout batch index = trainer step
+        receive every announced weight broadcast; block until V >= b - k
+        stop once V reaches the trainer's final version
+        groups = engine.generate(next prompts of shard e, n samples each)     # policy V
         rewards = reward_model(groups); split whole groups over the T trainer ranks; put()
-        engine.receive_weights()                                              # V = step + 1
-        eval(V) when due
-Every rank of an engine drives the engine (SPMD for tp > 1); only the leader ships rollouts and
-writes evaluation results.
+        (eval(V) whenever V passes an eval point)
+
+k = 0 is strictly on-policy: batch b is sampled from exactly the weights of trainer step b.
+With k >= 1 generation of batch b overlaps training on batch b - 1 and the trainer sees
+samples at most k versions old. Only the engine leader ships rollouts and writes evaluations.
 """
 
 from __future__ import annotations
@@ -17,16 +20,15 @@ from __future__ import annotations
 import json
 import time
 
+from llamarl.buffer.channel import open_channel
 from llamarl.buffer.record import RolloutBatch, split_groups
-from llamarl.buffer.shm import ShmChannel
 from llamarl.generator.engine import Engine, EngineWorld
 from llamarl.generator.prompts import TRAIN_POOL, PromptStream, encode, task_examples
 from llamarl.launch.runtime import Runtime, free_port, log
+from llamarl.parallel.weight_sync import pending_broadcasts
 from llamarl.rewards.registry import RewardModel
 
-
-def channel_name(engine: int, trainer: int) -> str:
-    return f"e{engine}t{trainer}"
+_POLL_S = 0.005
 
 
 def _engine_world(rt: Runtime) -> EngineWorld | None:
@@ -62,40 +64,86 @@ def run_generator(rt: Runtime) -> None:
     evaluator = Evaluator(rt, engine, held_out[e::rt.layout.engines])
     rewards = RewardModel(cfg.reward.functions, cfg.reward.weights)
     per_engine = g.prompts_per_step // rt.layout.engines
-    channels = [ShmChannel(rt.store, rt.run_id, channel_name(e, t), cfg.buffer.capacity,
-                           rt.watchdog.check) for t in range(rt.layout.trainer_ranks)]
+    channels = ([open_channel(rt, e, t, "producer") for t in range(rt.layout.trainer_ranks)]
+                if leader else [])
     rt.watchdog.cleanups.extend(ch.close for ch in channels)
 
-    version = 0
-    evaluator.run(step=0, version=version)
+    weights = WeightFollower(rt, engine, evaluator)
+    evaluator.run(step=0, version=0)
+    k, b = cfg.sync.max_staleness, 0
     try:
-        for step in range(cfg.run.steps):
+        while weights.follow(need=b - k):
             prompts = stream.next(per_engine)
             t0 = time.perf_counter()
             groups = engine.generate([p.token_ids for p in prompts], g.samples_per_prompt,
                                      g.temperature, g.max_new_tokens,
-                                     seed=cfg.run.seed * 1_000_003 + step * 1009 + e)
+                                     seed=cfg.run.seed * 1_000_003 + b * 1009 + e)
             gen_s = time.perf_counter() - t0
             t0 = time.perf_counter()
-            batch = _to_batch(prompts, groups, rewards, version, e, step, per_engine)
+            batch = _to_batch(prompts, groups, rewards, weights.version, e, b, per_engine)
             reward_s = time.perf_counter() - t0
-            batch.info.update(step=step, generate_s=gen_s, reward_s=reward_s,
+            batch.info.update(step=b, generate_s=gen_s, reward_s=reward_s,
                               tokens=int(batch.completion_lens.sum()))
             if leader:
                 for t, part in enumerate(split_groups(batch, rt.layout.trainer_ranks)):
-                    channels[t].put(part)
-            # Strictly on-policy: the next batch is sampled from the weights this one trains.
-            engine.receive_weights()
-            version += 1
-            due = cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0
-            if due or step == cfg.run.steps - 1:
-                evaluator.run(step=step + 1, version=version)
+                    channels[t].put(part, abort=weights.trainer_done)
+            b += 1
+        weights.finish()
     except BaseException:
         for ch in channels:
             ch.close()  # failing: unlink what is in flight at once
         raise
-    for ch in channels:
-        ch.close(drain_timeout_s=rt.cfg.sync.dead_peer_s)
+    extra = sum(ch.close() for ch in channels)  # batches made ahead after the last step
+    if extra:
+        log(rt, f"{extra} rollout batch(es) generated ahead of the last trainer step were "
+                "not needed and were discarded")
+
+
+class WeightFollower:
+    """Tracks and loads the trainer's weight broadcasts, in order, and runs evaluations when
+    the loaded version passes an eval point."""
+
+    def __init__(self, rt: Runtime, engine: Engine, evaluator: Evaluator):
+        self.rt, self.engine, self.evaluator = rt, engine, evaluator
+        self.received = 0  # broadcasts loaded
+        self.version = 0
+        self.final: int | None = None
+        every = rt.cfg.run.eval_every
+        self.next_eval = every if every else None
+        self.evaluated = {0}
+
+    def trainer_done(self) -> bool:
+        if self.final is None and self.rt.store.check(["trainer/final_version"]):
+            self.final = int(self.rt.store.get("trainer/final_version"))
+        return self.final is not None
+
+    def _receive_pending(self) -> None:
+        for v in pending_broadcasts(self.rt.store, self.received):
+            self.engine.receive_weights()
+            self.received += 1
+            self.version = v
+            if self.next_eval is not None and v >= self.next_eval:
+                self.evaluator.run(step=v, version=v)
+                self.evaluated.add(v)
+                while self.next_eval <= v:
+                    self.next_eval += self.rt.cfg.run.eval_every
+
+    def follow(self, need: int) -> bool:
+        """Load announced weights until version >= need. False once the trainer is done and
+        its final weights are loaded (no more batches are needed)."""
+        while True:
+            self._receive_pending()
+            if self.trainer_done() and self.version >= self.final:
+                return False
+            if self.version >= need:
+                return True
+            self.rt.watchdog.check()
+            time.sleep(_POLL_S)
+
+    def finish(self) -> None:
+        """Final weights loaded: evaluate them (the trainer's summary waits for this)."""
+        if self.final not in self.evaluated:
+            self.evaluator.run(step=self.final, version=self.final)
 
 
 def _to_batch(prompts, groups, rewards: RewardModel, version: int, engine: int, step: int,

@@ -8,11 +8,20 @@ trainer publishes once. One sync then is, for each bucket in plan order:
     receivers:     broadcast(flat) ; load_weights([(name_i, flat[off_i:off_i + n_i].view(shape_i))])
 
 so a model of P tensors costs ceil(bytes / bucket_bytes) messages, not P.
+
+Versions: the trainer announces broadcast i in the store (`wsync/count` = i + 1,
+`wsync/version/<i>` = policy version) before sending it, so a generator can see between two
+generation batches that weights are waiting, and receive every broadcast in order. The sender
+snapshots the weights into flat buffers (the lockstep gather) and broadcasts them from a
+background thread: the trainer never waits for a generator that is busy finishing a batch.
 """
 
 from __future__ import annotations
 
 import json
+import queue
+import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -100,31 +109,94 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 class WeightSender:
     """Runs on every trainer rank; only the rank with `group` set sends.
 
-    All trainer ranks must call `send` together: gathering an FSDP2 shard is a collective.
+    All trainer ranks must call `send` / `publish` together: gathering an FSDP2 shard is a
+    collective. `send` broadcasts inline; `publish` gathers inline and broadcasts from a
+    background thread (one broadcast in flight at a time).
     """
 
     def __init__(self, model: torch.nn.Module, bucket_mb: int,
-                 group: dist.ProcessGroup | None, device: torch.device):
+                 group: dist.ProcessGroup | None, device: torch.device, store=None):
         self.names = list(model_tensors(model).keys())
         self.metas = tensor_metas(model_tensors(model))
         self.buckets = plan_buckets(self.metas, bucket_mb << 20)
         self.group = group
         self.device = device
+        self.store = store  # announces broadcasts (needed by `publish`)
         self.bytes_per_sync = sum(b.numel * torch.empty((), dtype=_DTYPES[b.dtype]).element_size()
                                   for b in self.buckets)
+        self.sent = 0  # broadcasts completed
+        self.last_broadcast_s = 0.0
+        self._queue: queue.Queue = queue.Queue(maxsize=1)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
 
-    def send(self, model: torch.nn.Module) -> None:
+    def gather(self, model: torch.nn.Module) -> list[torch.Tensor] | None:
+        """Full weights as flat per-bucket tensors on the sender, None elsewhere (collective)."""
         tensors = model_tensors(model)
+        flats = [] if self.group is not None else None
         for bucket in self.buckets:
             flat = None
-            if self.group is not None:
+            if flats is not None:
                 flat = torch.empty(bucket.numel, dtype=_DTYPES[bucket.dtype], device=self.device)
+                flats.append(flat)
             for meta, off in bucket.entries:
                 full = _full(tensors[meta.name])  # collective on FSDP2 params
                 if flat is not None:
                     flat[off:off + meta.numel].copy_(full.reshape(-1))
-            if flat is not None:
-                broadcast(self.group, flat, root=0)
+        return flats
+
+    def _broadcast(self, flats: list[torch.Tensor]) -> None:
+        t0 = time.perf_counter()
+        for flat in flats:
+            broadcast(self.group, flat, root=0)
+        self.last_broadcast_s = time.perf_counter() - t0
+        self.sent += 1
+
+    def send(self, model: torch.nn.Module) -> None:
+        flats = self.gather(model)
+        if flats is not None:
+            self._broadcast(flats)
+
+    def publish(self, model: torch.nn.Module, version: int) -> None:
+        """Gather now (all trainer ranks), announce and broadcast in the background."""
+        self.wait()  # one snapshot in flight: bounds memory to one extra copy of the weights
+        flats = self.gather(model)
+        if flats is None:
+            return
+        assert self.store is not None, "publish needs the job store to announce versions"
+        index = self.store.add("wsync/count", 0)
+        self.store.set(f"wsync/version/{index}", str(version))
+        self.store.add("wsync/count", 1)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="llamarl-wsync", daemon=True)
+            self._thread.start()
+        self._queue.put(flats)
+
+    def _run(self) -> None:
+        while True:
+            flats = self._queue.get()
+            try:
+                if flats is not None:
+                    self._broadcast(flats)
+            except BaseException as e:  # surfaced to the main thread by wait()
+                self._error = e
+            finally:
+                self._queue.task_done()
+            if flats is None:
+                return
+
+    def wait(self) -> None:
+        """Block until the broadcast in flight (if any) has completed."""
+        if self._thread is not None:
+            self._queue.join()
+        if self._error is not None:
+            raise RuntimeError(f"weight broadcast failed: {self._error}") from self._error
+
+
+def pending_broadcasts(store, received: int) -> list[int]:
+    """Policy versions of the broadcasts announced after the first `received` ones."""
+    count = store.add("wsync/count", 0)
+    return [int(store.get(f"wsync/version/{i}")) for i in range(received, count)]
 
 
 class WeightReceiver:

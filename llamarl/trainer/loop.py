@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from llamarl.algorithms.grpo import clipped_policy_loss, group_advantages
+from llamarl.algorithms.grpo import group_advantages
+from llamarl.algorithms.policy_loss import policy_loss
+from llamarl.buffer.channel import open_channel
 from llamarl.buffer.record import RolloutBatch
-from llamarl.buffer.shm import ShmChannel
-from llamarl.generator.loop import channel_name
 from llamarl.launch.runtime import Runtime, log
 from llamarl.parallel.fsdp import apply_fsdp
 from llamarl.parallel.groups import make_group
@@ -84,19 +84,18 @@ def run_trainer(rt: Runtime) -> None:
                             cfg.generator.temperature)
 
     # Weight broadcast: trainer 0 sends to every generator rank (group rank 0 = trainer 0).
-    sender = WeightSender(model, cfg.sync.bucket_mb, None, rt.device)
+    sender = WeightSender(model, cfg.sync.bucket_mb, None, rt.device, rt.store)
     if r == 0:
         rt.store.set("wsync/meta", metas_to_json(sender.metas))
         n_gen = len(rt.layout.generator_global_ranks)
         sender.group = make_group(rt.group_spec("wsync", 0, 1 + n_gen))
-    channels = [ShmChannel(rt.store, rt.run_id, channel_name(e, r), cfg.buffer.capacity,
-                           rt.watchdog.check) for e in range(rt.layout.engines)]
+    channels = [open_channel(rt, e, r, "consumer") for e in range(rt.layout.engines)]
     metrics = MetricsLog(rt.run_dir / "metrics.jsonl") if r == 0 else None
     log(rt, f"policy {model_path} sharded over {T} trainer rank(s); "
             f"{sender.bytes_per_sync / 2**20:.1f} MiB per weight sync in {len(sender.buckets)} "
             "bucket(s)")
 
-    version = 0
+    version, dropped_total, k = 0, 0, cfg.sync.max_staleness
     run_t0 = time.perf_counter()
     for step in range(cfg.run.steps):
         t_step = time.perf_counter()
@@ -104,32 +103,42 @@ def run_trainer(rt: Runtime) -> None:
         parts = [ch.get() for ch in channels]
         wait_s = sum(ch.wait_s for ch in channels) - sum(waits)
         transfer_s = time.perf_counter() - t_step - wait_s
-        batch = RolloutBatch.concat(parts)
-        assert int(batch.policy_version.min()) == version, "on-policy run got a stale batch"
+        batch, dropped = drop_stale(RolloutBatch.concat(parts), version, k)
 
         t0 = time.perf_counter()
-        stats = grpo_step(trainer, batch, cfg, tokenizer.pad_token_id)
+        stats = grpo_step(trainer, batch, cfg, tokenizer.pad_token_id, version, dropped)
         train_s = time.perf_counter() - t0
+        dropped_total += int(stats["dropped"])
 
         t0 = time.perf_counter()
-        sender.send(model)
         version += 1
+        last = step + 1 == cfg.run.steps
+        if last and r == 0:
+            rt.store.set("trainer/final_version", str(version))  # generators stop after it
+        if last or version % cfg.sync.every == 0:
+            sender.publish(model, version)  # gather now, broadcast in the background
         sync_s = time.perf_counter() - t0
 
         info = [p.info for p in parts]
+        n_tok = max(stats["n_tokens"], 1.0)
         row = {
             "step": step + 1, "policy_version": version,
-            "reward_mean": stats["reward_sum"] / stats["n_seqs"],
+            "reward_mean": stats["reward_sum"] / max(stats["n_seqs"], 1.0),
             "loss": stats["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"],
-            "clip_frac": stats["clip_frac"] / stats["n_tokens"],
-            "mismatch_kl": stats["mismatch_kl"] / stats["n_tokens"],
-            "ratio_max": stats["ratio_max"],
-            "response_len": stats["n_tokens"] / stats["n_seqs"],
-            "finished_frac": stats["finished"] / stats["n_seqs"],
+            "clip_frac": stats.get("corrected", 0.0) / n_tok,
+            "mismatch_kl": stats.get("mismatch_kl", 0.0) / n_tok,
+            "ratio_mean": stats.get("ratio_sum", 0.0) / n_tok,
+            "ratio_max": stats.get("ratio_max", 0.0), "ratio_min": stats.get("ratio_min", 0.0),
+            "staleness_mean": stats["staleness_sum"] / max(stats["n_seqs"], 1.0),
+            "staleness_max": stats["staleness_max"],
+            "dropped_stale": int(stats["dropped"]), "dropped_stale_total": dropped_total,
+            "response_len": stats["n_tokens"] / max(stats["n_seqs"], 1.0),
+            "finished_frac": stats["finished"] / max(stats["n_seqs"], 1.0),
             "tokens_generated": int(stats["n_tokens"]),
             "generate_s": max(i["generate_s"] for i in info),
             "reward_s": max(i["reward_s"] for i in info),
             "wait_s": wait_s, "transfer_s": transfer_s, "train_s": train_s, "sync_s": sync_s,
+            "broadcast_s": sender.last_broadcast_s,
             "step_time_s": time.perf_counter() - t_step,
             "elapsed_s": time.perf_counter() - run_t0,
         }
@@ -140,33 +149,75 @@ def run_trainer(rt: Runtime) -> None:
             if (step + 1) % cfg.run.log_every == 0 or step + 1 == cfg.run.steps:
                 log(rt, metrics.line(row, cfg.run.steps))
 
+    sender.wait()
     final_dir = rt.run_dir / "policy"
     save_policy(model, model_path, final_dir, r == 0)
     if r == 0:
         summarize(rt, final_dir)
 
 
-def grpo_step(trainer: PolicyTrainer, batch: RolloutBatch, cfg, pad_id: int) -> dict:
-    """One GRPO optimizer step on this rank's share of the global batch."""
-    adv = group_advantages(batch.rewards, batch.group_ids, cfg.algorithm.adv_eps)
-    seqs = batch.sequences()
+def drop_stale(batch: RolloutBatch, version: int, max_staleness: int):
+    """Keep samples at most `max_staleness` versions older than `version`. Returns the kept
+    batch (or None if nothing is left) and the dropped one (or None)."""
+    fresh = (version - batch.policy_version) <= max_staleness
+    if bool(fresh.all()):
+        return batch, None
+    keep = fresh.nonzero().flatten().tolist()
+    drop = (~fresh).nonzero().flatten().tolist()
+    return (batch.select(keep) if keep else None), batch.select(drop)
+
+
+def grpo_step(trainer: PolicyTrainer, batch: RolloutBatch | None, cfg, pad_id: int,
+              version: int = 0, filler: RolloutBatch | None = None) -> dict:
+    """One GRPO optimizer step on this rank's share of the global batch; `filler` holds the
+    samples dropped as stale (counted, and used only as masked filler).
+
+    Every trainer rank must run the same number of micro-batches (FSDP2 collectives), so a
+    rank whose batch is short (stale samples dropped) runs masked filler micro-batches that
+    contribute nothing to the gradient.
+    """
     mb = cfg.trainer.micro_batch_size
-    chunks = [(collate(seqs[i:i + mb], pad_id), adv[i:i + mb]) for i in range(0, len(seqs), mb)]
-    local = torch.tensor([float(batch.completion_lens.sum()), float(len(batch)),
-                          float(batch.rewards.sum()), float(batch.finished.sum())])
+    chunks = []
+    if batch is not None:
+        adv = group_advantages(batch.rewards, batch.group_ids, cfg.algorithm.adv_eps)
+        seqs = batch.sequences()
+        chunks = [(collate(seqs[i:i + mb], pad_id), adv[i:i + mb])
+                  for i in range(0, len(seqs), mb)]
+    n = len(batch) if batch is not None else 0
+    stale = (version - batch.policy_version) if batch is not None else torch.zeros(1)
+    local = torch.tensor([float(batch.completion_lens.sum()) if n else 0.0, float(n),
+                          float(batch.rewards.sum()) if n else 0.0,
+                          float(batch.finished.sum()) if n else 0.0,
+                          float(stale.sum()) if n else 0.0,
+                          float(len(filler)) if filler is not None else 0.0])
+    counts = torch.tensor([float(stale.max()) if n else 0.0, float(len(chunks))])
     if dist.is_initialized():
         dist.all_reduce(local)  # every rank needs the global normaliser
-    n_tokens, n_seqs, reward_sum, finished = local.tolist()
-    norm = n_tokens if cfg.algorithm.loss_agg == "token_mean" else n_seqs
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    n_tokens, n_seqs, reward_sum, finished, stale_sum, dropped = local.tolist()
+    staleness_max, n_micro = counts.tolist()
+    while len(chunks) < int(n_micro):  # masked filler: same collectives, zero gradient
+        chunks.append(_filler_chunk(batch if batch is not None else filler, pad_id))
+    n_tokens_norm = max(n_tokens, 1.0)
+    n_seqs_norm = max(n_seqs, 1.0)
+    norm = n_tokens_norm if cfg.algorithm.loss_agg == "token_mean" else n_seqs_norm
 
     def loss_fn(logp, mbatch, i):
-        return clipped_policy_loss(logp, mbatch.old_logp, chunks[i][1].to(logp.device),
-                                   mbatch.mask, cfg.algorithm.clip_eps, cfg.algorithm.loss_agg,
-                                   norm)
+        return policy_loss(logp, mbatch.old_logp, chunks[i][1].to(logp.device), mbatch.mask,
+                           cfg.algorithm, norm)
 
     stats = trainer.step([c[0] for c in chunks], loss_fn)
-    stats.update(n_tokens=n_tokens, n_seqs=n_seqs, reward_sum=reward_sum, finished=finished)
+    stats.update(n_tokens=n_tokens, n_seqs=n_seqs, reward_sum=reward_sum, finished=finished,
+                 staleness_sum=stale_sum, staleness_max=staleness_max, dropped=dropped)
     return stats
+
+
+def _filler_chunk(source: RolloutBatch, pad_id: int):
+    """One sequence of `source` with its loss mask zeroed."""
+    p, c, lp = source.sequences()[0]
+    tb = collate([(p, c, lp)], pad_id)
+    tb.mask.zero_()
+    return tb, torch.zeros(1)
 
 
 def save_policy(model: torch.nn.Module, src_dir: str, out_dir: Path, writer: bool) -> None:

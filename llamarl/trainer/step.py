@@ -49,6 +49,8 @@ class PolicyTrainer:
             for k, v in stats.items():
                 if k.endswith("_max"):
                     totals[k] = torch.maximum(totals.get(k, v.detach()), v.detach())
+                elif k.endswith("_min"):
+                    totals[k] = torch.minimum(totals.get(k, v.detach()), v.detach())
                 else:
                     totals[k] = totals.get(k, torch.zeros((), device=self.device)) + v.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(
@@ -68,19 +70,18 @@ class PolicyTrainer:
 
 
 def all_reduce_stats(stats: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Sum (or max, for keys ending in _max) scalars over the default (trainer) group."""
+    """Reduce scalars over the default (trainer) group: keys ending in _max by max, in _min by
+    min, all others by sum."""
     keys = sorted(stats)
     if not dist.is_initialized():
         return {k: float(stats[k]) for k in keys}
-    sums = [k for k in keys if not k.endswith("_max")]
-    maxes = [k for k in keys if k.endswith("_max")]
+    ops = {"_max": dist.ReduceOp.MAX, "_min": dist.ReduceOp.MIN}
+    groups: dict = {}
+    for k in keys:
+        groups.setdefault(ops.get(k[-4:], dist.ReduceOp.SUM), []).append(k)
     out = {}
-    if sums:
-        t = torch.stack([stats[k].float().reshape(()) for k in sums])
-        dist.all_reduce(t)
-        out.update(zip(sums, t.tolist()))
-    if maxes:
-        t = torch.stack([stats[k].float().reshape(()) for k in maxes])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        out.update(zip(maxes, t.tolist()))
+    for op, names in groups.items():
+        t = torch.stack([stats[k].float().reshape(()) for k in names])
+        dist.all_reduce(t, op=op)
+        out.update(zip(names, t.tolist()))
     return out

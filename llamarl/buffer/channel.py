@@ -1,0 +1,117 @@
+"""The experience buffer's channel: one producer (a generator engine) -> one consumer (a
+trainer rank), with the same contract whatever carries the bytes.
+
+Control always goes through the job's TCPStore: a queue of small JSON descriptors and an
+`acked` counter. The payload goes through shared memory when both ends are on one host
+(`ShmChannel`), or over a point-to-point process group when they are not (`DistChannel`:
+gloo on CPU, NCCL on GPU). `open_channel` picks the transport from where the two ranks sit in
+the layout; the user sets nothing.
+
+Backpressure: `put` blocks while `capacity` batches are unconsumed; nothing is ever dropped by
+the buffer. Staleness is the trainer's business (it drops and counts stale samples).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+
+from llamarl.buffer.record import RolloutBatch
+
+POLL_S = 0.002
+
+
+class Channel:
+    def __init__(self, store, channel: str, capacity: int,
+                 check_alive: Callable[[], None] = lambda: None):
+        self.store = store
+        self.channel = channel
+        self.capacity = capacity
+        self.check_alive = check_alive  # raises if a peer is dead, so waits never hang
+        self.queue_key = f"buf/{channel}/queue"
+        self.acked_key = f"buf/{channel}/acked"
+        self._seq = 0  # batches published
+        self._unacked: list = []  # per unconsumed batch: what the transport must release
+        self.wait_s = 0.0  # time spent blocked (backpressure or empty queue)
+
+    # -- producer -------------------------------------------------------------------------
+    def put(self, batch: RolloutBatch, abort: Callable[[], bool] = lambda: False) -> bool:
+        """Publish `batch`; blocks while `capacity` batches are unconsumed. Returns False,
+        without publishing, if `abort()` turns true while blocked."""
+        t0 = time.perf_counter()
+        while self._seq - self._acked() >= self.capacity:
+            self.check_alive()
+            if abort():
+                self.wait_s += time.perf_counter() - t0
+                return False
+            time.sleep(POLL_S)
+        self.wait_s += time.perf_counter() - t0
+        self._forget_acked()
+        handle, desc = self._send(batch, self._seq)
+        self._unacked.append(handle)
+        self._seq += 1
+        self.store.queue_push(self.queue_key, json.dumps(desc))
+        return True
+
+    def _acked(self) -> int:
+        return self.store.add(self.acked_key, 0)
+
+    def _forget_acked(self) -> None:
+        done = len(self._unacked) - (self._seq - self._acked())
+        del self._unacked[:max(done, 0)]
+
+    # -- consumer -------------------------------------------------------------------------
+    def get(self) -> RolloutBatch:
+        t0 = time.perf_counter()
+        while self.store.queue_len(self.queue_key) == 0:
+            self.check_alive()
+            time.sleep(POLL_S)
+        self.wait_s += time.perf_counter() - t0
+        batch = self._receive(json.loads(self.store.queue_pop(self.queue_key, False)))
+        self.store.add(self.acked_key, 1)
+        return batch
+
+    # -- any exit path --------------------------------------------------------------------
+    def close(self, drain_timeout_s: float = 0.0) -> int:
+        """Producer exit. On a normal exit wait up to `drain_timeout_s` for the consumer to take
+        what is in flight; then (and on failure paths, at once) release what was never
+        consumed. Returns how many unconsumed batches were released."""
+        deadline = time.monotonic() + drain_timeout_s
+        try:
+            while self._unacked and self._seq - self._acked() > 0:
+                if time.monotonic() > deadline:
+                    break
+                self.check_alive()
+                time.sleep(POLL_S)
+            self._forget_acked()
+        except Exception:  # the store or a peer is gone: nothing will consume them
+            pass
+        released = sum(1 for h in self._unacked if self._release(h))
+        self._unacked.clear()
+        return released
+
+    # -- transport ------------------------------------------------------------------------
+    def _send(self, batch: RolloutBatch, seq: int) -> tuple[object, dict]:
+        """Make the payload available; return (handle to release if unconsumed, descriptor)."""
+        raise NotImplementedError
+
+    def _receive(self, desc: dict) -> RolloutBatch:
+        raise NotImplementedError
+
+    def _release(self, handle) -> bool:
+        """Free an unconsumed payload; True if something was freed."""
+        raise NotImplementedError
+
+
+def open_channel(rt, engine: int, trainer: int, side: str) -> Channel:
+    """The channel engine -> trainer rank, from either side ("producer" | "consumer")."""
+    from llamarl.buffer.dist_channel import DistChannel
+    from llamarl.buffer.shm import ShmChannel
+
+    name = f"e{engine}t{trainer}"
+    producer = rt.layout.engine_global_ranks(engine)[0]
+    consumer = rt.layout.trainer_global_ranks[trainer]
+    if rt.layout.node_of(producer) == rt.layout.node_of(consumer):
+        return ShmChannel(rt.store, rt.run_id, name, rt.cfg.buffer.capacity, rt.watchdog.check)
+    return DistChannel(rt, name, side, rt.cfg.buffer.capacity)
