@@ -25,6 +25,7 @@ PRODUCER, CONSUMER = 0, 1
 class DistChannel(Channel):
     def __init__(self, rt, channel: str, side: str, capacity: int):
         super().__init__(rt.store, channel, capacity, rt.watchdog.check)
+        self.transport = rt.group_spec("x", 0, 2).backend + " (cross-host)"
         assert side in ("producer", "consumer"), side
         self.rank = PRODUCER if side == "producer" else CONSUMER
         self.device = rt.device

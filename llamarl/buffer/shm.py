@@ -43,6 +43,8 @@ def sweep_run(run_id: str) -> int:
 
 
 class ShmChannel(Channel):
+    transport = "shared memory"
+
     def __init__(self, store, run_id: str, channel: str, capacity: int,
                  check_alive: Callable[[], None] = lambda: None):
         super().__init__(store, channel, capacity, check_alive)

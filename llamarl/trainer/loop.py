@@ -90,6 +90,8 @@ def run_trainer(rt: Runtime) -> None:
         n_gen = len(rt.layout.generator_global_ranks)
         sender.group = make_group(rt.group_spec("wsync", 0, 1 + n_gen))
     channels = [open_channel(rt, e, r, "consumer") for e in range(rt.layout.engines)]
+    log(rt, "rollout channels: " + ", ".join(f"{ch.channel} over {ch.transport}"
+                                             for ch in channels))
     metrics = MetricsLog(rt.run_dir / "metrics.jsonl") if r == 0 else None
     log(rt, f"policy {model_path} sharded over {T} trainer rank(s); "
             f"{sender.bytes_per_sync / 2**20:.1f} MiB per weight sync in {len(sender.buckets)} "
@@ -120,6 +122,7 @@ def run_trainer(rt: Runtime) -> None:
         sync_s = time.perf_counter() - t0
 
         info = [p.info for p in parts]
+        by_engine = {int(p.generator[0]): int(p.policy_version.min()) for p in parts if len(p)}
         n_tok = max(stats["n_tokens"], 1.0)
         row = {
             "step": step + 1, "policy_version": version,
@@ -132,6 +135,7 @@ def run_trainer(rt: Runtime) -> None:
             "staleness_mean": stats["staleness_sum"] / max(stats["n_seqs"], 1.0),
             "staleness_max": stats["staleness_max"],
             "dropped_stale": int(stats["dropped"]), "dropped_stale_total": dropped_total,
+            "behaviour_version_by_engine": by_engine,
             "response_len": stats["n_tokens"] / max(stats["n_seqs"], 1.0),
             "finished_frac": stats["finished"] / max(stats["n_seqs"], 1.0),
             "tokens_generated": int(stats["n_tokens"]),
