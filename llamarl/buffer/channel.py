@@ -34,6 +34,7 @@ class Channel:
         self._seq = 0  # batches published
         self._unacked: list = []  # per unconsumed batch: what the transport must release
         self.wait_s = 0.0  # time spent blocked (backpressure or empty queue)
+        self.last_put_s = 0.0  # cost of the last put, waiting excluded
 
     # -- producer -------------------------------------------------------------------------
     def put(self, batch: RolloutBatch, abort: Callable[[], bool] = lambda: False) -> bool:
@@ -46,12 +47,14 @@ class Channel:
                 self.wait_s += time.perf_counter() - t0
                 return False
             time.sleep(POLL_S)
-        self.wait_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.wait_s += t1 - t0
         self._forget_acked()
         handle, desc = self._send(batch, self._seq)
         self._unacked.append(handle)
         self._seq += 1
         self.store.queue_push(self.queue_key, json.dumps(desc))
+        self.last_put_s = time.perf_counter() - t1
         return True
 
     def _acked(self) -> int:

@@ -83,7 +83,8 @@ def run_generator(rt: Runtime) -> None:
             batch = _to_batch(prompts, groups, rewards, weights.version, e, b, per_engine)
             reward_s = time.perf_counter() - t0
             batch.info.update(step=b, generate_s=gen_s, reward_s=reward_s,
-                              tokens=int(batch.completion_lens.sum()))
+                              tokens=int(batch.completion_lens.sum()),
+                              prev_put_s=sum(ch.last_put_s for ch in channels))
             if leader:
                 for t, part in enumerate(split_groups(batch, rt.layout.trainer_ranks)):
                     channels[t].put(part, abort=weights.trainer_done)

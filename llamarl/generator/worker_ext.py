@@ -34,6 +34,15 @@ class LlamarlWorkerExtension:
         model = self.model_runner.model
         return self._llamarl_receiver.receive(model.load_weights)
 
+    def llamarl_receive_raw(self, nbytes: int) -> int:
+        """Receive one flat broadcast of `nbytes` on the weight group and discard it: the raw
+        link speed that a weight sync is measured against (bench/weight_sync.py)."""
+        from llamarl.parallel.groups import broadcast
+
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=self._llamarl_receiver.device)
+        broadcast(self._llamarl_receiver.group, buf, root=0)
+        return nbytes
+
     def llamarl_state_checksum(self) -> float:
         """Sum of all parameters: a cheap check that weights changed (tests)."""
         return float(sum(p.double().sum() for p in self.model_runner.model.parameters()))

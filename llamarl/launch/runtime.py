@@ -15,6 +15,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -58,13 +59,13 @@ class Runtime:
                          rank, size, default_backend(self.device), self.cfg.sync.timeout_s)
 
     def wait_key(self, key: str, timeout_s: float = STARTUP_TIMEOUT_S) -> str:
-        """Wait for another rank to publish `key`, failing fast if the job failed."""
-        deadline = time.monotonic() + timeout_s
-        while not self.store.check([key]):
-            self.watchdog.check()
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for '{key}'")
-            time.sleep(0.05)
+        """Block until another rank publishes `key` (woken by the store the moment it is set).
+        A dead or failed peer ends this process through the watchdog, so no polling here."""
+        self.watchdog.check()
+        try:
+            self.store.wait([key], timedelta(seconds=timeout_s))
+        except dist.DistStoreError:
+            raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for '{key}'") from None
         return self.store.get(key).decode()
 
     def cleanup_shared_memory(self) -> None:

@@ -3,7 +3,7 @@
 Both sides derive the same `BucketPlan` from the tensor metadata (name, dtype, shape) that the
 trainer publishes once. One sync then is, for each bucket in plan order:
 
-    trainer ranks: t_i = param_i.full_tensor()    (FSDP2 all-gather; every trainer rank, lockstep)
+    trainer ranks: unshard one FSDP2 unit at a time (one all-gather per block, in lockstep)
     sender:        flat[off_i : off_i + n_i] = t_i ; broadcast(flat, root=0)
     receivers:     broadcast(flat) ; load_weights([(name_i, flat[off_i:off_i + n_i].view(shape_i))])
 
@@ -86,12 +86,21 @@ def metas_from_json(text: str) -> list[TensorMeta]:
     return [TensorMeta(n, d, tuple(s)) for n, d, s in json.loads(text)]
 
 
-def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def persistent_buffer_names(model: torch.nn.Module) -> set[str]:
+    """Buffers that belong in a checkpoint (not e.g. rotary caches). Calls state_dict(), so
+    never while an FSDP2 unit is unsharded."""
+    keys = set(model.state_dict().keys())
+    return {name for name, _ in model.named_buffers() if name in keys}
+
+
+def model_tensors(model: torch.nn.Module,
+                  buffers: set[str] | None = None) -> dict[str, torch.Tensor]:
     """Parameters (tied ones once) and persistent buffers, by their checkpoint names."""
     out = dict(model.named_parameters())
-    persistent = set(model.state_dict().keys())
+    if buffers is None:
+        buffers = persistent_buffer_names(model)
     for name, buf in model.named_buffers():
-        if name in persistent:
+        if name in buffers:
             out[name] = buf
     return out
 
@@ -116,8 +125,8 @@ class WeightSender:
 
     def __init__(self, model: torch.nn.Module, bucket_mb: int,
                  group: dist.ProcessGroup | None, device: torch.device, store=None):
-        self.names = list(model_tensors(model).keys())
-        self.metas = tensor_metas(model_tensors(model))
+        self.buffers = persistent_buffer_names(model)
+        self.metas = tensor_metas(model_tensors(model, self.buffers))
         self.buckets = plan_buckets(self.metas, bucket_mb << 20)
         self.group = group
         self.device = device
@@ -131,18 +140,43 @@ class WeightSender:
         self._error: BaseException | None = None
 
     def gather(self, model: torch.nn.Module) -> list[torch.Tensor] | None:
-        """Full weights as flat per-bucket tensors on the sender, None elsewhere (collective)."""
-        tensors = model_tensors(model)
-        flats = [] if self.group is not None else None
-        for bucket in self.buckets:
-            flat = None
-            if flats is not None:
-                flat = torch.empty(bucket.numel, dtype=_DTYPES[bucket.dtype], device=self.device)
-                flats.append(flat)
-            for meta, off in bucket.entries:
-                full = _full(tensors[meta.name])  # collective on FSDP2 params
-                if flat is not None:
-                    flat[off:off + meta.numel].copy_(full.reshape(-1))
+        """Full weights as flat per-bucket tensors on the sender, None elsewhere (collective).
+
+        FSDP2 units are unsharded one at a time (a single all-gather per block, far cheaper
+        than one per parameter), copied out, and resharded, so the extra memory is one block
+        plus the flat buffers on the sender."""
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+
+        flats = None
+        if self.group is not None:
+            flats = [torch.empty(b.numel, dtype=_DTYPES[b.dtype], device=self.device)
+                     for b in self.buckets]
+        where = {meta.name: (i, off, meta.numel) for i, b in enumerate(self.buckets)
+                 for meta, off in b.entries}
+        done: set[str] = set()
+
+        def copy_full_tensors() -> None:
+            for name, t in model_tensors(model, self.buffers).items():
+                if name in done or isinstance(t, DTensor):
+                    continue
+                done.add(name)
+                if flats is not None:
+                    i, off, n = where[name]
+                    flats[i][off:off + n].copy_(t.detach().reshape(-1))
+
+        for unit in [m for m in model.modules() if isinstance(m, FSDPModule)]:
+            unit.unshard()  # collective: same order on every trainer rank
+            copy_full_tensors()
+            unit.reshard()
+        copy_full_tensors()  # a model without FSDP2
+        for name, t in model_tensors(model, self.buffers).items():  # still sharded: per tensor
+            if name not in done:
+                done.add(name)
+                full = _full(t)
+                if flats is not None:
+                    i, off, n = where[name]
+                    flats[i][off:off + n].copy_(full.reshape(-1))
         return flats
 
     def _broadcast(self, flats: list[torch.Tensor]) -> None:

@@ -142,6 +142,8 @@ def run_trainer(rt: Runtime) -> None:
             "generate_s": max(i["generate_s"] for i in info),
             "reward_s": max(i["reward_s"] for i in info),
             "wait_s": wait_s, "transfer_s": transfer_s, "train_s": train_s, "sync_s": sync_s,
+            # buffer cost: this rank's reads + the producers' writes (of the previous batch)
+            "buffer_s": transfer_s + sum(i.get("prev_put_s", 0.0) for i in info),
             "broadcast_s": sender.last_broadcast_s,
             "step_time_s": time.perf_counter() - t_step,
             "elapsed_s": time.perf_counter() - run_t0,
