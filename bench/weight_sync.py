@@ -2,9 +2,11 @@
 
 Launched by torchrun with 3 ranks (2 FSDP2 trainer ranks + 1 vLLM generator), through
 llamarl's own runtime. Per round, timed on trainer 0 until the generator confirms:
-  sync: WeightSender.send (FSDP2 gather in lockstep, flat-bucket broadcast) + the engine's
-        load_weights, i.e. everything a real sync costs;
-  raw:  one broadcast of a flat uint8 tensor of the same byte count on the same group.
+  sync: every trainer rank packs its FSDP2 shards and broadcasts them on its own group; the
+        engine receives all, reassembles the rows and runs load_weights: everything a real
+        sync costs;
+  raw:  trainer 0 broadcasts one flat uint8 tensor of the model's byte count to the generator
+        on the same group.
 Reports medians and raw_s / sync_s (1.0 = the sync costs no more than moving the bytes).
 
     torchrun --standalone --nproc-per-node 3 bench/weight_sync.py --model tiny|100m
@@ -73,9 +75,8 @@ def main() -> None:
 
 def trainer(rt, args) -> None:
     from llamarl.parallel.fsdp import apply_fsdp
-    from llamarl.parallel.groups import broadcast, make_group
-    from llamarl.parallel.weight_sync import WeightSender, metas_to_json
-    from llamarl.trainer.loop import init_trainer_group
+    from llamarl.parallel.groups import broadcast
+    from llamarl.trainer.loop import init_trainer_group, open_weight_sender
     from llamarl.trainer.policy import load_policy
 
     mesh = init_trainer_group(rt)
@@ -85,37 +86,30 @@ def trainer(rt, args) -> None:
     model_dir = rt.wait_key("bench/model")
     model = load_policy(model_dir, "float32")
     apply_fsdp(model, mesh, torch.float32)
-    sender = WeightSender(model, rt.cfg.sync.bucket_mb, None, rt.device)
-    if rt.role.index == 0:
-        rt.store.set("wsync/meta", metas_to_json(sender.metas))
-        sender.group = make_group(rt.group_spec("wsync", 0, 2))
-    nbytes = sender.bytes_per_sync
-    sync_s, raw_s, gather_s, bcast_s = [], [], [], []
+    sender = open_weight_sender(rt, model)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())  # full model
+    sync_s, raw_s, gather_s = [], [], []
     for i in range(args.rounds + 1):  # round 0 warms up both paths
         torch.distributed.barrier()
         t0 = time.perf_counter()
-        flats = sender.gather(model)
+        sender.send(model)  # pack and broadcast, pipelined per bucket
         t1 = time.perf_counter()
-        if flats is not None:
-            sender._broadcast(flats)
-        t2 = time.perf_counter()
         if rt.role.index == 0:
             rt.wait_key(f"bench/loaded/{i}")
             sync_s.append(time.perf_counter() - t0)
-            gather_s.append(t1 - t0)
-            bcast_s.append(t2 - t1)
+            gather_s.append(t1 - t0)  # this rank packs + sends its shards
+
             rt.store.set(f"bench/raw/{i}", str(nbytes))
-            flat = torch.empty(nbytes, dtype=torch.uint8)
+            flat = torch.ones(nbytes, dtype=torch.uint8)
             t0 = time.perf_counter()
             broadcast(sender.group, flat, root=0)
             rt.wait_key(f"bench/raw_done/{i}")
             raw_s.append(time.perf_counter() - t0)
     if rt.role.index == 0:
         s, r = statistics.median(sync_s[1:]), statistics.median(raw_s[1:])
-        report = {"model": args.model, "params": sum(m.numel for m in sender.metas),
-                  "bytes": nbytes, "buckets": len(sender.buckets), "rounds": args.rounds,
-                  "sync_s": s, "raw_s": r, "gather_s": statistics.median(gather_s[1:]),
-                  "broadcast_s": statistics.median(bcast_s[1:]),
+        report = {"model": args.model, "bytes": nbytes, "trainer_ranks": 2,
+                  "rounds": args.rounds, "sync_s": s, "raw_s": r,
+                  "send_s": statistics.median(gather_s[1:]),
                   "load_s": float(rt.wait_key("bench/load_s")),
                   "sync_bytes_per_s": nbytes / s,
                   "raw_bytes_per_s": nbytes / r, "ratio_raw_over_sync": r / s}
@@ -127,11 +121,11 @@ def trainer(rt, args) -> None:
 
 def generator(rt, args) -> None:
     from llamarl.generator.engine import Engine
+    from llamarl.generator.loop import join_weight_groups
 
     model_dir = rt.wait_key("bench/model")
     engine = Engine(model_dir, rt.cfg.generator, "float32", seed=0, on_cpu=rt.on_cpu)
-    engine.join_weight_group(rt.group_spec("wsync", 1, 2), rt.wait_key("wsync/meta"),
-                             rt.cfg.sync.bucket_mb)
+    join_weight_groups(rt, engine)
     load_s = []
     for i in range(args.rounds + 1):
         t0 = time.perf_counter()

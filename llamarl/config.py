@@ -95,7 +95,7 @@ class RewardConfig:
 class SyncConfig:
     every: int = 1  # broadcast weights every N optimizer steps
     max_staleness: int = 0  # 0 = strictly on-policy
-    bucket_mb: int = 256  # flat-buffer size per broadcast message
+    bucket_mb: int = 64  # flat-buffer size per broadcast message (pipelined with packing)
     timeout_s: float = 1800.0  # longest a collective may block (a dead peer is found sooner)
     dead_peer_s: float = 30.0  # a rank silent this long is declared dead
 

@@ -11,7 +11,7 @@ def test_weight_broadcast_parity_with_fsdp2_trainers(tmp_path, tiny_model_dir):
                     MODEL_DIR=tiny_model_dir, RUNS=tmp_path / "runs")
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(out.read_text())
-    assert r["buckets"] > 1, "the test should exercise several flat buckets"
+    assert r["buckets"] >= 2, "both trainer ranks must send their shards"
     assert r["greedy_match"], r
     assert r["max_abs_dlogprob"] <= 1e-3, r
     assert r["checksum_after"] != r["checksum_before"]

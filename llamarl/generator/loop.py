@@ -39,6 +39,17 @@ def _engine_world(rt: Runtime) -> EngineWorld | None:
     return EngineWorld(rt.role.tp_rank, rt.layout.tp, "127.0.0.1", port, rt.env.local_rank)
 
 
+def join_weight_groups(rt: Runtime, engine: Engine) -> None:
+    """Join wsync<r> = [trainer r (group rank 0), generator ranks (1 + j)] for every trainer
+    rank r (see trainer.loop.open_weight_sender)."""
+    gen_ranks = rt.layout.generator_global_ranks
+    me = 1 + gen_ranks.index(rt.role.rank)
+    trainers = range(rt.layout.trainer_ranks)
+    engine.join_weight_group([rt.group_spec(f"wsync{r}", me, 1 + len(gen_ranks)) for r in trainers],
+                             [rt.wait_key(f"wsync/meta/{r}") for r in trainers],
+                             rt.cfg.sync.bucket_mb)
+
+
 def run_generator(rt: Runtime) -> None:
     cfg, g, e = rt.cfg, rt.cfg.generator, rt.role.index
     leader = rt.role.is_engine_leader
@@ -50,10 +61,7 @@ def run_generator(rt: Runtime) -> None:
                     world=_engine_world(rt))
     log(rt, f"vLLM engine up in {time.perf_counter() - t0:.1f} s ({model_path})")
 
-    # Weight-broadcast group: trainer 0 is group rank 0, generator rank j is 1 + j.
-    gen_ranks = rt.layout.generator_global_ranks
-    spec = rt.group_spec("wsync", 1 + gen_ranks.index(rt.role.rank), 1 + len(gen_ranks))
-    engine.join_weight_group(spec, rt.wait_key("wsync/meta"), cfg.sync.bucket_mb)
+    join_weight_groups(rt, engine)
 
     tok = engine.tokenizer
     train = [encode(tok, ex) for ex in task_examples(cfg.data.task, "train", TRAIN_POOL,

@@ -20,14 +20,16 @@ disable_onednn_prepack()
 
 
 class LlamarlWorkerExtension:
-    def llamarl_join_weight_group(self, spec: GroupSpec, metas_json: str, bucket_mb: int) -> int:
+    def llamarl_join_weight_group(self, specs: list[GroupSpec], metas_json: list[str],
+                                  bucket_mb: int) -> int:
+        """Join the weight group of every trainer rank (spec i, shard layout metas_json[i])."""
         device = torch.device(self.device) if hasattr(self, "device") else torch.device("cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        group = make_group(spec)
-        self._llamarl_receiver = WeightReceiver(metas_from_json(metas_json), bucket_mb, group,
-                                                device)
-        return spec.rank
+        groups = [make_group(spec) for spec in specs]
+        self._llamarl_receiver = WeightReceiver([metas_from_json(m) for m in metas_json],
+                                                bucket_mb, groups, device)
+        return len(groups)
 
     def llamarl_receive_weights(self) -> int:
         """Receive one full set of weights from the trainer and load it into the model."""
@@ -40,7 +42,7 @@ class LlamarlWorkerExtension:
         from llamarl.parallel.groups import broadcast
 
         buf = torch.empty(nbytes, dtype=torch.uint8, device=self._llamarl_receiver.device)
-        broadcast(self._llamarl_receiver.group, buf, root=0)
+        broadcast(self._llamarl_receiver.groups[0], buf, root=0)
         return nbytes
 
     def llamarl_state_checksum(self) -> float:

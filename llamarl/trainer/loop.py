@@ -50,6 +50,17 @@ def init_trainer_group(rt: Runtime):
     return init_device_mesh(rt.device.type, (rt.layout.trainer_ranks,))
 
 
+def open_weight_sender(rt: Runtime, model: torch.nn.Module) -> WeightSender:
+    """Trainer r's sender on wsync<r> = [trainer r (group rank 0), every generator rank]; its
+    shard layout goes to the store for the generators (see generator.loop.join_weight_groups)."""
+    r = rt.role.index
+    sender = WeightSender(model, r, rt.cfg.sync.bucket_mb, None, rt.device, rt.store)
+    rt.store.set(f"wsync/meta/{r}", metas_to_json(sender.metas))
+    n_gen = len(rt.layout.generator_global_ranks)
+    sender.group = make_group(rt.group_spec(f"wsync{r}", 0, 1 + n_gen))
+    return sender
+
+
 def resolve_model_path(rt: Runtime, mesh) -> str:
     """The policy's HF directory; builds the embedded tiny model's warm start when needed."""
     spec = rt.cfg.model.path
@@ -83,19 +94,14 @@ def run_trainer(rt: Runtime) -> None:
     trainer = PolicyTrainer(model, cfg.trainer, cfg.run.steps, T, rt.device,
                             cfg.generator.temperature)
 
-    # Weight broadcast: trainer 0 sends to every generator rank (group rank 0 = trainer 0).
-    sender = WeightSender(model, cfg.sync.bucket_mb, None, rt.device, rt.store)
-    if r == 0:
-        rt.store.set("wsync/meta", metas_to_json(sender.metas))
-        n_gen = len(rt.layout.generator_global_ranks)
-        sender.group = make_group(rt.group_spec("wsync", 0, 1 + n_gen))
+    sender = open_weight_sender(rt, model)
     channels = [open_channel(rt, e, r, "consumer") for e in range(rt.layout.engines)]
     log(rt, "rollout channels: " + ", ".join(f"{ch.channel} over {ch.transport}"
                                              for ch in channels))
     metrics = MetricsLog(rt.run_dir / "metrics.jsonl") if r == 0 else None
     log(rt, f"policy {model_path} sharded over {T} trainer rank(s); "
-            f"{sender.bytes_per_sync / 2**20:.1f} MiB per weight sync in {len(sender.buckets)} "
-            "bucket(s)")
+            f"sends {sender.bytes_per_sync / 2**20:.2f} MiB of shards per weight sync in "
+            f"{len(sender.buckets)} bucket(s)")
 
     version, dropped_total, k = 0, 0, cfg.sync.max_staleness
     run_t0 = time.perf_counter()

@@ -5,6 +5,7 @@ the findings to $OUT (JSON)."""
 
 import json
 import os
+import time
 
 import torch
 
@@ -18,10 +19,8 @@ PROMPTS = ["abc=", "hello=", "kjf=", "aaab=", "lkji=", "bca="]
 
 def trainer(rt, model_dir):
     from llamarl.parallel.fsdp import apply_fsdp
-    from llamarl.parallel.groups import make_group
-    from llamarl.parallel.weight_sync import WeightSender, metas_to_json
     from llamarl.tiny.warmstart import sft_batches
-    from llamarl.trainer.loop import init_trainer_group
+    from llamarl.trainer.loop import init_trainer_group, open_weight_sender
     from llamarl.trainer.policy import load_policy
     from llamarl.trainer.step import PolicyTrainer
     from transformers import AutoTokenizer
@@ -30,10 +29,7 @@ def trainer(rt, model_dir):
     model = load_policy(model_dir, "float32")
     tok = AutoTokenizer.from_pretrained(model_dir)
     apply_fsdp(model, mesh, torch.float32)
-    sender = WeightSender(model, bucket_mb=1, group=None, device=rt.device)  # several buckets
-    if rt.role.index == 0:
-        rt.store.set("wsync/meta", metas_to_json(sender.metas))
-        sender.group = make_group(rt.group_spec("wsync", 0, 2))
+    sender = open_weight_sender(rt, model)  # each trainer rank sends its own shards
     rt.wait_key("gen/before_done")
     pt = PolicyTrainer(model, rt.cfg.trainer, 5, 2, rt.device)
     for step in range(5):  # supervised steps: a real, large change of every weight
@@ -45,17 +41,18 @@ def trainer(rt, model_dir):
     if rt.role.index == 0:
         torch.save(state, os.environ["OUT"] + ".pt")
         rt.store.set("trainer/saved", "1")
-    rt.store.set("trainer/nbuckets", str(len(sender.buckets)))
+    rt.store.add("trainer/nbuckets", len(sender.buckets))
+    rt.store.add("trainer/sent", 1)
 
 
 def generator(rt, model_dir):
     from transformers import AutoModelForCausalLM
 
     from llamarl.generator.engine import Engine
+    from llamarl.generator.loop import join_weight_groups
 
     engine = Engine(model_dir, rt.cfg.generator, "float32", seed=0, on_cpu=rt.on_cpu)
-    from llamarl.parallel.groups import GroupSpec  # noqa: F401
-    engine.join_weight_group(rt.group_spec("wsync", 1, 2), rt.wait_key("wsync/meta"), 1)
+    join_weight_groups(rt, engine)
     tok = engine.tokenizer
     ids = [[tok.bos_token_id] + tok.encode(p, add_special_tokens=False) for p in PROMPTS]
     before = engine.generate(ids, 1, 0.0, 10)
@@ -65,6 +62,8 @@ def generator(rt, model_dir):
     greedy = engine.generate(ids, 1, 0.0, 10)
     sampled = engine.generate(ids, 4, 1.0, 10, seed=3)
     rt.wait_key("trainer/saved")
+    while rt.store.add("trainer/sent", 0) < 2:  # both trainer ranks counted their buckets
+        time.sleep(0.01)
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     hf.load_state_dict(torch.load(os.environ["OUT"] + ".pt"), strict=False)
@@ -92,7 +91,7 @@ def generator(rt, model_dir):
         "greedy_match": greedy_match, "max_abs_dlogprob": max_dlp,
         "changed_tokens": [a[0].token_ids != b[0].token_ids for a, b in zip(before, greedy)],
         "checksum_before": sum_before, "checksum_after": engine.checksum(),
-        "buckets": int(rt.wait_key("trainer/nbuckets")),
+        "buckets": rt.store.add("trainer/nbuckets", 0),
     }
     with open(os.environ["OUT"], "w") as f:
         json.dump(result, f)
@@ -101,6 +100,7 @@ def generator(rt, model_dir):
 if __name__ == "__main__":
     model_dir = os.environ["MODEL_DIR"]
     cfg = load_config(None, [f"model.path={model_dir}", "generator.max_model_len=64",
+                             "sync.bucket_mb=1",
                              "generator.max_new_tokens=10", "trainer.lr=3e-3",
                              f"run.output_dir={os.environ['RUNS']}"])
     env = from_environ()
