@@ -12,7 +12,7 @@ RECIPE ?= recipes/tiny_grpo_cpu.yaml
 NPROC   = $(shell $(PY) -m llamarl.launch --ranks $(RECIPE) $(ARGS))
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-fast lint bench clean
+.PHONY: install run test test-fast lint bench bench-quality clean
 
 install: $(STAMP)
 
@@ -47,6 +47,12 @@ lint: install
 
 bench: install
 	$(PY) bench/generator_throughput.py
+	$(PY) bench/async_pipeline.py
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 3 bench/weight_sync.py --model tiny
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 3 bench/weight_sync.py --model 100m
+
+bench-quality: install
+	$(PY) bench/async_quality.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
