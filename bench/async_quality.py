@@ -1,10 +1,10 @@
 """Does asynchronous training learn as well as synchronous? Runs the default recipe with
-max_staleness k = 0, 1 and 2 (k >= 1 with LlamaRL's AIPO correction) for the same number of
-trainer steps, one after the other, and writes the held-out reward against trainer step and
-against wall-clock time: `async_quality.csv`, `async_quality.json` and (with matplotlib)
-`async_quality.png` in --out.
+max_staleness k = 0, 1 and 2 (k >= 1 with the --correction off-policy correction) for the same
+number of trainer steps, for each of --seeds, one run after the other, and writes the held-out
+reward against trainer step and against wall-clock time: `async_quality.csv`,
+`async_quality.json` and (with matplotlib) `async_quality.png` (mean over seeds) in --out.
 
-    python bench/async_quality.py [--steps 150] [--out bench/results] [key=value ...]
+    python bench/async_quality.py [--steps 150] [--seeds 0 1] [--correction tis] [key=value]
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/tiny_grpo_cpu.yaml"
 
 
-def run(k: int, steps: int, eval_every: int, extra: list[str]) -> dict:
-    out = Path(tempfile.mkdtemp(prefix=f"llamarl-quality-k{k}-"))
-    args = [RECIPE, f"run.steps={steps}", f"run.eval_every={eval_every}",
+def run(k: int, seed: int, correction: str, steps: int, eval_every: int,
+        extra: list[str]) -> dict:
+    out = Path(tempfile.mkdtemp(prefix=f"llamarl-quality-k{k}-s{seed}-"))
+    args = [RECIPE, f"run.steps={steps}", f"run.eval_every={eval_every}", f"run.seed={seed}",
             f"sync.max_staleness={k}", f"run.output_dir={out}", *extra]
     if k > 0:
-        args.append("algorithm.correction=aipo")
+        args.append(f"algorithm.correction={correction}")
     cmd = [sys.executable, "-m", "llamarl.launch", *args]
     with open(out / "log.txt", "w") as log:
         subprocess.run(cmd, cwd=ROOT, check=True, stdout=log, stderr=subprocess.STDOUT)
@@ -34,15 +35,29 @@ def run(k: int, steps: int, eval_every: int, extra: list[str]) -> dict:
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
     elapsed = {m["step"]: m["elapsed_s"] for m in metrics}
-    points = [{"k": k, "step": e["step"], "wall_s": elapsed.get(e["step"], 0.0),
+    points = [{"k": k, "seed": seed, "step": e["step"], "wall_s": elapsed.get(e["step"], 0.0),
                "reward_mean": e["reward_mean"], "reward_mean_greedy": e["reward_mean_greedy"]}
               for e in evals]
-    return {"k": k, "run_dir": str(run_dir), "points": points,
+    return {"k": k, "seed": seed, "run_dir": str(run_dir), "points": points,
             "train_reward_last20": sum(m["reward_mean"] for m in metrics[-20:]) / 20,
             "wall_s": metrics[-1]["elapsed_s"]}
 
 
-def plot(results: list[dict], path: Path) -> bool:
+def mean_curves(results: list[dict]) -> dict[int, list[dict]]:
+    """Per k: the held-out reward and wall clock at each eval step, averaged over seeds."""
+    out = {}
+    for k in sorted({r["k"] for r in results}):
+        runs = [r["points"] for r in results if r["k"] == k]
+        out[k] = [{"step": pts[0]["step"],
+                   "wall_s": sum(p["wall_s"] for p in pts) / len(pts),
+                   "reward_mean": sum(p["reward_mean"] for p in pts) / len(pts),
+                   "spread": max(p["reward_mean"] for p in pts) -
+                   min(p["reward_mean"] for p in pts)}
+                  for pts in zip(*runs)]
+    return out
+
+
+def plot(results: list[dict], correction: str, path: Path) -> bool:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -50,17 +65,17 @@ def plot(results: list[dict], path: Path) -> bool:
     except ImportError:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for r in results:
-        label = f"k={r['k']}" + (" (AIPO)" if r["k"] else " (sync)")
-        xs = [p["step"] for p in r["points"]]
-        ws = [p["wall_s"] for p in r["points"]]
-        ys = [p["reward_mean"] for p in r["points"]]
+    for k, pts in mean_curves(results).items():
+        label = f"k={k}" + (f" ({correction})" if k else " (sync)")
+        xs = [p["step"] for p in pts]
+        ws = [p["wall_s"] for p in pts]
+        ys = [p["reward_mean"] for p in pts]
         axes[0].plot(xs, ys, marker="o", label=label)
         axes[1].plot(ws, ys, marker="o", label=label)
     axes[0].set_xlabel("trainer step")
     axes[1].set_xlabel("wall clock since the first step (s)")
     for ax in axes:
-        ax.set_ylabel("held-out reward (sampled)")
+        ax.set_ylabel("held-out reward (sampled), mean over seeds")
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle("tiny GRPO on CPU: synchronous vs bounded-staleness asynchronous")
@@ -74,24 +89,31 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--eval-every", type=int, default=25)
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--correction", default="tis", choices=["none", "aipo", "tis", "icepop"])
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = [run(k, args.steps, args.eval_every, args.overrides) for k in (0, 1, 2)]
+    results = [run(k, s, args.correction, args.steps, args.eval_every, args.overrides)
+               for s in args.seeds for k in (0, 1, 2)]
     with open(out / "async_quality.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["k", "step", "wall_s", "reward_mean",
+        w = csv.DictWriter(f, fieldnames=["k", "seed", "step", "wall_s", "reward_mean",
                                           "reward_mean_greedy"])
         w.writeheader()
         for r in results:
             w.writerows(r["points"])
     (out / "async_quality.json").write_text(json.dumps(results, indent=1))
-    drew = plot(results, out / "async_quality.png")
+    drew = plot(results, args.correction, out / "async_quality.png")
     for r in results:
         first, last = r["points"][0], r["points"][-1]
-        print(f"k={r['k']}: held-out reward {first['reward_mean']:.3f} -> "
+        print(f"k={r['k']} seed {r['seed']}: held-out reward {first['reward_mean']:.3f} -> "
               f"{last['reward_mean']:.3f} after {last['step']} steps in {r['wall_s']:.0f} s "
               f"(greedy {last['reward_mean_greedy']:.3f})")
+    for k, pts in mean_curves(results).items():
+        print(f"k={k}: mean held-out reward after {pts[-1]['step']} steps "
+              f"{pts[-1]['reward_mean']:.3f} (spread over seeds {pts[-1]['spread']:.3f}), "
+              f"mean wall clock {pts[-1]['wall_s']:.0f} s")
     print(f"curves: {out / 'async_quality.csv'}" + (f", {out / 'async_quality.png'}" if drew
                                                      else " (install matplotlib for a PNG)"))
 

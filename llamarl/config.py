@@ -25,6 +25,9 @@ class RunConfig:
     steps: int = 10  # trainer optimizer steps (one rollout batch each)
     eval_every: int = 0  # 0: evaluate only before and after training
     log_every: int = 1
+    checkpoint_every: int = 0  # trainer steps between sharded checkpoints; 0 = only none
+    keep_checkpoints: int = 2  # newest complete checkpoints kept
+    resume: str = ""  # "" = new run; "auto" = newest checkpoint of runs named run.name; or a path
 
 
 @dataclass
@@ -53,6 +56,7 @@ class TrainerConfig:
     warmup_steps: int = 0
     lr_schedule: str = "constant"  # constant | cosine
     threads: int = 0  # torch intra-op threads per trainer rank on CPU; 0 = cores / local ranks
+    max_bad_steps: int = 3  # consecutive steps with a NaN/inf loss or gradient before stopping
 
 
 @dataclass
@@ -154,12 +158,16 @@ def validate(cfg: Config) -> Config:
         "sync.every": cfg.sync.every, "sync.bucket_mb": cfg.sync.bucket_mb,
         "sync.timeout_s": cfg.sync.timeout_s, "sync.dead_peer_s": cfg.sync.dead_peer_s,
         "buffer.capacity": cfg.buffer.capacity, "data.eval_prompts": cfg.data.eval_prompts,
+        "trainer.max_bad_steps": cfg.trainer.max_bad_steps,
         "data.eval_samples_per_prompt": cfg.data.eval_samples_per_prompt,
     }
     for key, value in positive.items():
         if not value > 0:
             _fail(key, value, "must be > 0")
-    for key, value in {"run.eval_every": cfg.run.eval_every, "trainer.warmup_steps":
+    for key, value in {"run.eval_every": cfg.run.eval_every,
+                       "run.checkpoint_every": cfg.run.checkpoint_every,
+                       "run.keep_checkpoints": cfg.run.keep_checkpoints,
+                       "trainer.warmup_steps":
                        cfg.trainer.warmup_steps, "sync.max_staleness": cfg.sync.max_staleness,
                        "trainer.threads": cfg.trainer.threads,
                        "trainer.weight_decay": cfg.trainer.weight_decay,
@@ -205,8 +213,7 @@ def validate(cfg: Config) -> Config:
         _fail("generator.prompts_per_step", cfg.generator.prompts_per_step,
               f"must be a multiple of generator.engines x trainer.ranks = {per_rank}, so every "
               "engine sends every trainer rank the same number of whole prompt groups")
-    needed = cfg.generator.max_new_tokens + 8
-    if cfg.generator.max_model_len < needed:
+    if cfg.generator.max_model_len <= cfg.generator.max_new_tokens:
         _fail("generator.max_model_len", cfg.generator.max_model_len,
               f"must leave room for the prompt plus generator.max_new_tokens "
               f"({cfg.generator.max_new_tokens}); raise it")

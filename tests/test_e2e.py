@@ -149,3 +149,46 @@ def test_killed_generator_stops_every_rank_with_a_named_error(tmp_path, cache_di
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
     run_id = run.name.split("-", 2)[-1]
     assert not list(Path("/dev/shm").glob(f"llamarl_{run_id}*"))
+
+
+def test_slurm_launch_without_torchrun(tmp_path, cache_dir):
+    """srun-style: one process per rank, placement from SLURM_* variables, rank 0 hosts the
+    store."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(3):
+        env = child_env(LLAMARL_CACHE=cache_dir, SLURM_PROCID=rank, SLURM_NTASKS=3,
+                        SLURM_NNODES=1, SLURM_LOCALID=rank, SLURM_JOB_ID=4242,
+                        SLURM_JOB_NODELIST="localhost", MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=port)
+        cmd = [sys.executable, "-m", "llamarl.launch", RECIPE, "run.steps=2",
+               f"run.output_dir={tmp_path}", *SMALL]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    try:
+        outs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0, 0], "\n".join(outs)[-4000:]
+    (run,) = run_dirs(tmp_path)
+    assert json.loads((run / "layout.json").read_text())["launcher"] == "slurm"
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+    assert "run directory:" in outs[0]
+
+
+def test_plot_writes_charts_and_a_chrome_trace(finished_run):
+    from llamarl.plot import main as plot_main
+
+    run = finished_run[0]
+    assert plot_main([str(run)]) == 0
+    for name in ("reward.png", "timeline.png", "timeline.trace.json"):
+        assert (run / "plots" / name).stat().st_size > 0, name
+    trace = json.loads((run / "plots" / "timeline.trace.json").read_text())
+    phases = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert {"generate", "train", "sync", "load_weights", "wait_rollouts"} <= phases
+    assert {e["tid"] for e in trace["traceEvents"]} == {0, 1, 2}

@@ -1,13 +1,13 @@
 """Stale samples are dropped and counted, never trained on."""
 
 import torch
+from test_buffer import make_batch
 
 from llamarl.buffer.record import RolloutBatch
 from llamarl.config import load_config
 from llamarl.tiny.model import build_model
 from llamarl.trainer.loop import drop_stale, grpo_step
 from llamarl.trainer.step import PolicyTrainer
-from test_buffer import make_batch
 
 
 def test_drop_stale_keeps_only_recent_versions():

@@ -27,6 +27,7 @@ from llamarl.generator.prompts import TRAIN_POOL, PromptStream, encode, task_exa
 from llamarl.launch.runtime import Runtime, free_port, log
 from llamarl.parallel.weight_sync import pending_broadcasts
 from llamarl.rewards.registry import RewardModel
+from llamarl.timeline import Timeline
 
 _POLL_S = 0.005
 
@@ -37,6 +38,16 @@ def _engine_world(rt: Runtime) -> EngineWorld | None:
     # An engine's tp ranks share a node (checked by the layout), so loopback reaches the leader.
     port = int(rt.wait_key(f"engine/{rt.role.index}/port"))
     return EngineWorld(rt.role.tp_rank, rt.layout.tp, "127.0.0.1", port, rt.env.local_rank)
+
+
+def check_lengths(prompts, max_new_tokens: int, max_model_len: int) -> None:
+    """Start-up check: every prompt plus a full response must fit the engine's context."""
+    longest = max(len(p.token_ids) for p in prompts)
+    if longest + max_new_tokens > max_model_len:
+        raise ValueError(
+            f"generator.max_model_len {max_model_len} is below the longest prompt ({longest} "
+            f"tokens) plus generator.max_new_tokens ({max_new_tokens}): raise max_model_len to "
+            f"at least {longest + max_new_tokens} or shorten the responses")
 
 
 def join_weight_groups(rt: Runtime, engine: Engine) -> None:
@@ -68,6 +79,7 @@ def run_generator(rt: Runtime) -> None:
                                                      cfg.run.seed)]
     held_out = [encode(tok, ex) for ex in task_examples(cfg.data.task, "eval",
                                                         cfg.data.eval_prompts, cfg.run.seed)]
+    check_lengths(train + held_out, g.max_new_tokens, g.max_model_len)
     stream = PromptStream(train, e, rt.layout.engines, cfg.run.seed)
     evaluator = Evaluator(rt, engine, held_out[e::rt.layout.engines])
     rewards = RewardModel(cfg.reward.functions, cfg.reward.weights)
@@ -76,26 +88,35 @@ def run_generator(rt: Runtime) -> None:
                 if leader else [])
     rt.watchdog.cleanups.extend(ch.close for ch in channels)
 
-    weights = WeightFollower(rt, engine, evaluator)
-    evaluator.run(step=0, version=0)
-    k, b = cfg.sync.max_staleness, 0
+    timeline = Timeline(rt.run_dir, rt.role.rank, rt.role.name)
+    evaluator.timeline = timeline
+    weights = WeightFollower(rt, engine, evaluator, timeline)
+    k, b = cfg.sync.max_staleness, rt.resume.get("step", 0)
+    if b:  # resuming: the prompt stream is a pure function of the batches already drawn
+        stream.next(b * per_engine)
+        weights.resumed_at(b)
+    else:
+        evaluator.run(step=0, version=0)
     try:
         while weights.follow(need=b - k):
             prompts = stream.next(per_engine)
             t0 = time.perf_counter()
-            groups = engine.generate([p.token_ids for p in prompts], g.samples_per_prompt,
-                                     g.temperature, g.max_new_tokens,
-                                     seed=cfg.run.seed * 1_000_003 + b * 1009 + e)
+            with timeline.phase("generate", b):
+                groups = engine.generate([p.token_ids for p in prompts], g.samples_per_prompt,
+                                         g.temperature, g.max_new_tokens,
+                                         seed=cfg.run.seed * 1_000_003 + b * 1009 + e)
             gen_s = time.perf_counter() - t0
             t0 = time.perf_counter()
-            batch = _to_batch(prompts, groups, rewards, weights.version, e, b, per_engine)
+            with timeline.phase("reward", b):
+                batch = _to_batch(prompts, groups, rewards, weights.version, e, b, per_engine)
             reward_s = time.perf_counter() - t0
             batch.info.update(step=b, generate_s=gen_s, reward_s=reward_s,
                               tokens=int(batch.completion_lens.sum()),
                               prev_put_s=sum(ch.last_put_s for ch in channels))
             if leader:
-                for t, part in enumerate(split_groups(batch, rt.layout.trainer_ranks)):
-                    channels[t].put(part, abort=weights.trainer_done)
+                with timeline.phase("put", b):
+                    for t, part in enumerate(split_groups(batch, rt.layout.trainer_ranks)):
+                        channels[t].put(part, abort=weights.trainer_done)
             b += 1
         weights.finish()
     except BaseException:
@@ -112,14 +133,21 @@ class WeightFollower:
     """Tracks and loads the trainer's weight broadcasts, in order, and runs evaluations when
     the loaded version passes an eval point."""
 
-    def __init__(self, rt: Runtime, engine: Engine, evaluator: Evaluator):
+    def __init__(self, rt: Runtime, engine: Engine, evaluator: Evaluator, timeline: Timeline):
         self.rt, self.engine, self.evaluator = rt, engine, evaluator
+        self.timeline = timeline
         self.received = 0  # broadcasts loaded
         self.version = 0
         self.final: int | None = None
         every = rt.cfg.run.eval_every
         self.next_eval = every if every else None
         self.evaluated = {0}
+
+    def resumed_at(self, step: int) -> None:
+        """The run continues after `step`, which was evaluated before the checkpoint."""
+        self.evaluated = {step}
+        every = self.rt.cfg.run.eval_every
+        self.next_eval = (step // every + 1) * every if every else None
 
     def trainer_done(self) -> bool:
         if self.final is None and self.rt.store.check(["trainer/final_version"]):
@@ -128,7 +156,8 @@ class WeightFollower:
 
     def _receive_pending(self) -> None:
         for v in pending_broadcasts(self.rt.store, self.received):
-            self.engine.receive_weights()
+            with self.timeline.phase("load_weights", v):
+                self.engine.receive_weights()
             self.received += 1
             self.version = v
             if self.next_eval is not None and v >= self.next_eval:
@@ -177,6 +206,7 @@ class Evaluator:
 
     def __init__(self, rt: Runtime, engine: Engine, prompts):
         self.rt, self.engine, self.prompts = rt, engine, prompts
+        self.timeline: Timeline | None = None
         self.rewards = RewardModel(rt.cfg.reward.functions, rt.cfg.reward.weights)
 
     def run(self, step: int, version: int) -> None:
@@ -184,8 +214,11 @@ class Evaluator:
         t0 = time.perf_counter()
         ids = [p.token_ids for p in self.prompts]
         n = rt.cfg.data.eval_samples_per_prompt
+        start = time.time()
         sampled = self.engine.generate(ids, n, g.temperature, g.max_new_tokens, seed=7919 + step)
         greedy = self.engine.generate(ids, 1, 0.0, g.max_new_tokens, seed=0)
+        if self.timeline is not None:
+            self.timeline.record("eval", start, time.time(), step)
         s = sum(self.rewards(c.text, p.answer, p.text) for p, grp in zip(self.prompts, sampled)
                 for c in grp)
         gr = sum(self.rewards(grp[0].text, p.answer, p.text)

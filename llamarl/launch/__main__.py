@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
             from llamarl.generator.loop import run_generator
             run_generator(rt)
         rt.watchdog.mark_done()
+        if rt.hosts_store:
+            rt.wait_all_done()
     except BaseException as e:  # noqa: BLE001 - report every failure to the peers, then exit
         error = f"{type(e).__name__}: {e}"
         dead = rt.watchdog.dead_peer()  # a dead peer is the cause, not this rank's error

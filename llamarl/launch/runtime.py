@@ -43,6 +43,7 @@ class Runtime:
     run_dir: Path
     device: torch.device
     watchdog: Watchdog
+    hosts_store: bool = False  # this process serves the job store (Slurm / plain env rank 0)
     timings: dict = field(default_factory=dict)
 
     @property
@@ -67,6 +68,20 @@ class Runtime:
         except dist.DistStoreError:
             raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for '{key}'") from None
         return self.store.get(key).decode()
+
+    @property
+    def resume(self) -> dict:
+        """The checkpoint this job resumes from ({} for a new run): path and its meta.json."""
+        return json.loads(self.wait_key("resume"))
+
+    def wait_all_done(self, timeout_s: float = 120.0) -> None:
+        """The store host must outlive every rank's last store access."""
+        keys = [f"done/{r}" for r in range(self.layout.world_size)]
+        try:
+            self.store.wait(keys, timedelta(seconds=timeout_s))
+        except dist.DistStoreError:
+            missing = [k for k in keys if not self.store.check([k])]
+            print(f"llamarl: rank 0 gave up waiting for {missing} to finish", file=sys.stderr)
 
     def cleanup_shared_memory(self) -> None:
         sweep_run(self.run_id)
@@ -98,8 +113,15 @@ def setup(cfg: Config, layout: Layout, env: DistEnv) -> Runtime:
 
     if env.rank == 0:
         run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
-        run_dir = Path(cfg.run.output_dir).resolve() / f"{cfg.run.name}-{run_id}"
-        run_dir.mkdir(parents=True, exist_ok=False)
+        resume = _resume_point(cfg)
+        if resume is not None:  # continue in the run directory of the checkpoint
+            run_dir = resume.parent.parent
+            store.set("resume", json.dumps({"checkpoint": str(resume), **json.loads(
+                (resume / "meta.json").read_text())}))
+        else:
+            run_dir = Path(cfg.run.output_dir).resolve() / f"{cfg.run.name}-{run_id}"
+            run_dir.mkdir(parents=True, exist_ok=False)
+            store.set("resume", "{}")
         (run_dir / "recipe.yaml").write_text(config_to_yaml(cfg))
         (run_dir / "layout.json").write_text(json.dumps({
             "world_size": layout.world_size, "trainer_ranks": layout.trainer_ranks,
@@ -107,13 +129,25 @@ def setup(cfg: Config, layout: Layout, env: DistEnv) -> Runtime:
         store.set("run", json.dumps({"id": run_id, "dir": str(run_dir)}))
     rt_info = json.loads(_wait(store, "run", watchdog))
     rt = Runtime(cfg, layout, role, env, store, prefix, rt_info["id"], Path(rt_info["dir"]),
-                 device, watchdog)
+                 device, watchdog, hosts_store)
     if rt.run_dir.is_dir():  # shared filesystem (always on one host): who runs where
         with open(rt.run_dir / "ranks.jsonl", "a") as f:
             f.write(json.dumps({"rank": env.rank, "role": role.name, "host": socket.gethostname(),
                                 "pid": os.getpid(), "device": str(device)}) + "\n")
     watchdog.cleanups.append(rt.cleanup_shared_memory)
     return rt
+
+
+def _resume_point(cfg: Config) -> Path | None:
+    if not cfg.run.resume:
+        return None
+    from llamarl.trainer.checkpoint import find_resume
+
+    found = find_resume(cfg.run.resume, Path(cfg.run.output_dir).resolve(), cfg.run.name)
+    if found is None:
+        print(f"llamarl: run.resume=auto found no complete checkpoint of '{cfg.run.name}' under "
+              f"{cfg.run.output_dir}: starting a new run", file=sys.stderr, flush=True)
+    return found
 
 
 def _wait(store: dist.Store, key: str, watchdog: Watchdog) -> str:

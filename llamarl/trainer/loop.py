@@ -12,6 +12,7 @@ On-policy loop of trainer rank r (of T), with E engines:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from datetime import timedelta
@@ -29,6 +30,8 @@ from llamarl.launch.runtime import Runtime, log
 from llamarl.parallel.fsdp import apply_fsdp
 from llamarl.parallel.groups import make_group
 from llamarl.parallel.weight_sync import WeightSender, metas_to_json
+from llamarl.timeline import Timeline
+from llamarl.trainer import checkpoint
 from llamarl.trainer.metrics import MetricsLog
 from llamarl.trainer.policy import DTYPES, collate, load_policy
 from llamarl.trainer.step import PolicyTrainer
@@ -61,6 +64,15 @@ def open_weight_sender(rt: Runtime, model: torch.nn.Module) -> WeightSender:
     return sender
 
 
+def check_tokenizer(tokenizer, model_path: str) -> None:
+    """Start-up check: RL needs completions that can end and batches that can be padded."""
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"the tokenizer of {model_path} has no EOS token, so no completion "
+                         "could ever finish: set eos_token in its tokenizer_config.json")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token  # padding is masked out; any id works
+
+
 def resolve_model_path(rt: Runtime, mesh) -> str:
     """The policy's HF directory; builds the embedded tiny model's warm start when needed."""
     spec = rt.cfg.model.path
@@ -90,6 +102,7 @@ def run_trainer(rt: Runtime) -> None:
     model = load_policy(model_path, cfg.model.dtype).to(rt.device)
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    check_tokenizer(tokenizer, model_path)
     apply_fsdp(model, mesh, param_dtype=DTYPES[cfg.model.dtype])
     trainer = PolicyTrainer(model, cfg.trainer, cfg.run.steps, T, rt.device,
                             cfg.generator.temperature)
@@ -103,18 +116,31 @@ def run_trainer(rt: Runtime) -> None:
             f"sends {sender.bytes_per_sync / 2**20:.2f} MiB of shards per weight sync in "
             f"{len(sender.buckets)} bucket(s)")
 
+    timeline = Timeline(rt.run_dir, rt.role.rank, rt.role.name)
     version, dropped_total, k = 0, 0, cfg.sync.max_staleness
+    resume = rt.resume
+    if resume:
+        meta = checkpoint.load(Path(resume["checkpoint"]), model, trainer.opt, trainer.sched)
+        version = meta["policy_version"]
+        if version >= cfg.run.steps:
+            raise ValueError(f"the checkpoint {resume['checkpoint']} is at step {version}, "
+                             f"already run.steps = {cfg.run.steps}: raise run.steps to continue")
+        log(rt, f"resumed from {resume['checkpoint']} at step {meta['step']}")
+        sender.publish(model, version)  # generators continue from the restored policy
+    per_engine = cfg.generator.prompts_per_step // rt.layout.engines
     run_t0 = time.perf_counter()
-    for step in range(cfg.run.steps):
+    for step in range(version, cfg.run.steps):
         t_step = time.perf_counter()
         waits = [ch.wait_s for ch in channels]
-        parts = [ch.get() for ch in channels]
+        with timeline.phase("wait_rollouts", step):
+            parts = [ch.get() for ch in channels]
         wait_s = sum(ch.wait_s for ch in channels) - sum(waits)
         transfer_s = time.perf_counter() - t_step - wait_s
         batch, dropped = drop_stale(RolloutBatch.concat(parts), version, k)
 
         t0 = time.perf_counter()
-        stats = grpo_step(trainer, batch, cfg, tokenizer.pad_token_id, version, dropped)
+        with timeline.phase("train", step):
+            stats = grpo_step(trainer, batch, cfg, tokenizer.pad_token_id, version, dropped)
         train_s = time.perf_counter() - t0
         dropped_total += int(stats["dropped"])
 
@@ -124,8 +150,16 @@ def run_trainer(rt: Runtime) -> None:
         if last and r == 0:
             rt.store.set("trainer/final_version", str(version))  # generators stop after it
         if last or version % cfg.sync.every == 0:
-            sender.publish(model, version)  # gather now, broadcast in the background
+            with timeline.phase("sync", step):
+                sender.publish(model, version)  # pack now, broadcast in the background
         sync_s = time.perf_counter() - t0
+        every = cfg.run.checkpoint_every
+        if every and (version % every == 0 or last):
+            with timeline.phase("checkpoint", step):
+                checkpoint.save(rt.run_dir, version, model, trainer.opt, trainer.sched, keep=
+                                cfg.run.keep_checkpoints, meta={
+                                    "policy_version": version, "model_path": model_path,
+                                    "prompts_consumed_per_engine": version * per_engine})
 
         info = [p.info for p in parts]
         by_engine = {int(p.generator[0]): int(p.policy_version.min()) for p in parts if len(p)}
@@ -136,11 +170,14 @@ def run_trainer(rt: Runtime) -> None:
             "loss": stats["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"],
             "clip_frac": stats.get("corrected", 0.0) / n_tok,
             "mismatch_kl": stats.get("mismatch_kl", 0.0) / n_tok,
+            "entropy": stats.get("entropy_sum", 0.0) / n_tok,
             "ratio_mean": stats.get("ratio_sum", 0.0) / n_tok,
             "ratio_max": stats.get("ratio_max", 0.0), "ratio_min": stats.get("ratio_min", 0.0),
             "staleness_mean": stats["staleness_sum"] / max(stats["n_seqs"], 1.0),
             "staleness_max": stats["staleness_max"],
             "dropped_stale": int(stats["dropped"]), "dropped_stale_total": dropped_total,
+            "batch_digest": hashlib.sha1(batch.prompt_ids.numpy().tobytes()).hexdigest()[:12]
+            if batch is not None else "",
             "behaviour_version_by_engine": by_engine,
             "response_len": stats["n_tokens"] / max(stats["n_seqs"], 1.0),
             "finished_frac": stats["finished"] / max(stats["n_seqs"], 1.0),
@@ -148,12 +185,14 @@ def run_trainer(rt: Runtime) -> None:
             "generate_s": max(i["generate_s"] for i in info),
             "reward_s": max(i["reward_s"] for i in info),
             "wait_s": wait_s, "transfer_s": transfer_s, "train_s": train_s, "sync_s": sync_s,
+            "train_tokens_per_s": stats["n_tokens_all"] / max(train_s, 1e-9),
             # buffer cost: this rank's reads + the producers' writes (of the previous batch)
             "buffer_s": transfer_s + sum(i.get("prev_put_s", 0.0) for i in info),
             "broadcast_s": sender.last_broadcast_s,
             "step_time_s": time.perf_counter() - t_step,
             "elapsed_s": time.perf_counter() - run_t0,
         }
+        row["skipped_steps_total"] = int(stats["skipped_total"])
         if "skipped" in stats:
             row["skipped_step"] = 1
         if metrics is not None:
@@ -197,16 +236,17 @@ def grpo_step(trainer: PolicyTrainer, batch: RolloutBatch | None, cfg, pad_id: i
                   for i in range(0, len(seqs), mb)]
     n = len(batch) if batch is not None else 0
     stale = (version - batch.policy_version) if batch is not None else torch.zeros(1)
+    all_tokens = float(batch.prompt_lens.sum() + batch.completion_lens.sum()) if n else 0.0
     local = torch.tensor([float(batch.completion_lens.sum()) if n else 0.0, float(n),
                           float(batch.rewards.sum()) if n else 0.0,
                           float(batch.finished.sum()) if n else 0.0,
                           float(stale.sum()) if n else 0.0,
-                          float(len(filler)) if filler is not None else 0.0])
+                          float(len(filler)) if filler is not None else 0.0, all_tokens])
     counts = torch.tensor([float(stale.max()) if n else 0.0, float(len(chunks))])
     if dist.is_initialized():
         dist.all_reduce(local)  # every rank needs the global normaliser
         dist.all_reduce(counts, op=dist.ReduceOp.MAX)
-    n_tokens, n_seqs, reward_sum, finished, stale_sum, dropped = local.tolist()
+    n_tokens, n_seqs, reward_sum, finished, stale_sum, dropped, n_all = local.tolist()
     staleness_max, n_micro = counts.tolist()
     while len(chunks) < int(n_micro):  # masked filler: same collectives, zero gradient
         chunks.append(_filler_chunk(batch if batch is not None else filler, pad_id))
@@ -220,7 +260,8 @@ def grpo_step(trainer: PolicyTrainer, batch: RolloutBatch | None, cfg, pad_id: i
 
     stats = trainer.step([c[0] for c in chunks], loss_fn)
     stats.update(n_tokens=n_tokens, n_seqs=n_seqs, reward_sum=reward_sum, finished=finished,
-                 staleness_sum=stale_sum, staleness_max=staleness_max, dropped=dropped)
+                 staleness_sum=stale_sum, staleness_max=staleness_max, dropped=dropped,
+                 n_tokens_all=n_all)
     return stats
 
 
@@ -248,8 +289,8 @@ def save_policy(model: torch.nn.Module, src_dir: str, out_dir: Path, writer: boo
 
 
 def summarize(rt: Runtime, final_dir: Path) -> None:
-    before = json.loads(rt.wait_key("eval/result/0"))
     after = json.loads(rt.wait_key(f"eval/result/{rt.cfg.run.steps}"))
+    before = json.loads((rt.run_dir / "eval.jsonl").read_text().splitlines()[0])
     log(rt, f"held-out reward (sampled, T={rt.cfg.generator.temperature}): "
             f"before {before['reward_mean']:.3f} -> after {after['reward_mean']:.3f} "
             f"(greedy {before['reward_mean_greedy']:.3f} -> {after['reward_mean_greedy']:.3f})")

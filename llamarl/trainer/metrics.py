@@ -1,4 +1,5 @@
-"""metrics.jsonl (one JSON object per trainer step) and the one-line progress report."""
+"""metrics.jsonl (one JSON object per trainer step), TensorBoard scalars when tensorboard is
+installed (RUN_DIR/tensorboard), and the one-line progress report."""
 
 from __future__ import annotations
 
@@ -11,18 +12,32 @@ class MetricsLog:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f = open(self.path, "a", buffering=1)  # line-buffered: readable while running
+        self._tb = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            self._tb = SummaryWriter(str(self.path.parent / "tensorboard"))
+        except ImportError:  # tensorboard is optional
+            pass
 
     def write(self, row: dict) -> None:
         self._f.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for key, value in row.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self._tb.add_scalar(key, value, row["step"])
+            self._tb.flush()
 
     @staticmethod
     def line(row: dict, total_steps: int) -> str:
         tok_s = row["tokens_generated"] / max(row["generate_s"], 1e-9)
         return (f"step {row['step']}/{total_steps} reward {row['reward_mean']:.3f} "
-                f"len {row['response_len']:.1f} clip {row['clip_frac']:.3f} "
-                f"kl_mis {row['mismatch_kl']:.1e} | step {row['step_time_s']:.2f}s = "
-                f"wait {row['wait_s']:.2f} xfer {row['transfer_s']:.3f} "
-                f"train {row['train_s']:.2f} sync {row['sync_s']:.3f} | gen {tok_s:.0f} tok/s")
+                f"len {row['response_len']:.1f} ent {row['entropy']:.2f} "
+                f"kl_mis {row['mismatch_kl']:.1e} clip {row['clip_frac']:.3f} "
+                f"stale {row['staleness_mean']:.1f} | step {row['step_time_s']:.2f}s = "
+                f"wait {row['wait_s']:.2f} train {row['train_s']:.2f} sync {row['sync_s']:.3f}"
+                f" | gen {tok_s:.0f} tok/s, train {row['train_tokens_per_s']:.0f} tok/s")
 
     def close(self) -> None:
         self._f.close()
+        if self._tb is not None:
+            self._tb.close()

@@ -55,12 +55,16 @@ def collate(seqs: list[tuple[list[int], list[int], list[float]]], pad_id: int) -
     return TokenBatch(ids, attn, ids[:, 1:].clone(), mask, old)
 
 
-def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float) -> torch.Tensor:
-    """log softmax(logits / temperature) of each next token: [B, T-1], float32.
+def token_logprobs(model: torch.nn.Module, batch: TokenBatch,
+                   temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """log softmax(logits / temperature) of each next token, [B, T-1] float32, and the entropy
+    of that distribution at each position, H = -sum_v p_v log p_v, [B, T-1] (no gradient).
 
     The generator samples from the same temperature-scaled softmax (top_p = 1, no top_k), so
-    these are directly comparable with the behaviour logprobs it returns.
+    the logprobs are directly comparable with the behaviour logprobs it returns.
     """
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    logits = logits[:, :-1].float() / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, batch.targets[..., None]).squeeze(-1)
+    logp_all = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp_all.gather(-1, batch.targets[..., None]).squeeze(-1), entropy

@@ -29,7 +29,8 @@ class PolicyTrainer:
         self.device = device
         self.temperature = temperature
         self.opt, self.sched = build_optimizer(model, cfg, total_steps)
-        self.skipped_steps = 0
+        self.skipped_steps = 0  # total
+        self.bad_streak = 0  # consecutive
 
     def step(self, micro_batches: list[TokenBatch], loss_fn: LossFn) -> dict[str, float]:
         """Forward/backward every micro-batch, clip, step. Returns scalars summed over ranks
@@ -42,10 +43,11 @@ class PolicyTrainer:
             if hasattr(self.model, "set_requires_gradient_sync"):
                 self.model.set_requires_gradient_sync(i == last)  # reduce-scatter once
             mb = mb.to(self.device)
-            logp = token_logprobs(self.model, mb, self.temperature)
+            logp, entropy = token_logprobs(self.model, mb, self.temperature)
             loss, stats = loss_fn(logp, mb, i)
             (loss * self.dp_size).backward()
             totals["loss"] += loss.detach()
+            stats = dict(stats, entropy_sum=(entropy * mb.mask).sum())
             for k, v in stats.items():
                 if k.endswith("_max"):
                     totals[k] = torch.maximum(totals.get(k, v.detach()), v.detach())
@@ -62,10 +64,18 @@ class PolicyTrainer:
         out["lr"] = self.sched.get_last_lr()[0]
         if math.isfinite(out["grad_norm"]) and math.isfinite(out["loss"]):
             self.opt.step()
+            self.sched.step()  # the schedule counts real updates
+            self.bad_streak = 0
         else:  # every rank sees the same reduced numbers, so all skip together
             self.skipped_steps += 1
+            self.bad_streak += 1
             out["skipped"] = 1.0
-        self.sched.step()
+            if self.bad_streak >= self.cfg.max_bad_steps:
+                raise RuntimeError(
+                    f"loss or gradient norm was NaN/inf for {self.bad_streak} steps in a row "
+                    f"(last loss {out['loss']}, grad norm {out['grad_norm']}): lower "
+                    "trainer.lr, check the rewards, or raise trainer.max_bad_steps")
+        out["skipped_total"] = float(self.skipped_steps)
         return out
 
 

@@ -1,0 +1,134 @@
+"""`python -m llamarl.plot RUN_DIR [--steps N]`: charts of a run, written to RUN_DIR/plots/.
+
+  reward.png              training reward, held-out reward (sampled and greedy) and the
+                          behaviour/trainer mismatch KL against trainer step
+  timeline.png            per-rank phases (generate, reward, put, load_weights, eval;
+                          wait_rollouts, train, sync) over the last N trainer steps: overlap
+                          between generators and trainers, and idle gaps (white)
+  timeline.trace.json     the whole timeline in Chrome trace format (chrome://tracing, Perfetto)
+
+It also prints each rank's busy share over the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from llamarl import timeline
+
+COLORS = {"generate": "#4C72B0", "reward": "#8172B2", "put": "#64B5CD", "load_weights": "#55A868",
+          "eval": "#CCB974", "wait_rollouts": "#DDDDDD", "train": "#C44E52", "sync": "#DD8452"}
+
+
+def chrome_trace(events: list[dict]) -> dict:
+    t0 = min(e["start"] for e in events)
+    return {"traceEvents": [
+        {"name": e["phase"], "ph": "X", "pid": 0, "tid": e["rank"],
+         "ts": (e["start"] - t0) * 1e6, "dur": (e["end"] - e["start"]) * 1e6,
+         "args": {"step": e["step"], "role": e["role"]}} for e in events] + [
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": role}}
+        for r, role in sorted({(e["rank"], e["role"]) for e in events})]}
+
+
+def busy_share(events: list[dict]) -> dict[str, float]:
+    """Per rank: fraction of its wall time inside a working phase (waiting excluded)."""
+    out = {}
+    for rank in sorted({e["rank"] for e in events}):
+        mine = [e for e in events if e["rank"] == rank]
+        span = max(e["end"] for e in mine) - min(e["start"] for e in mine)
+        busy = sum(e["end"] - e["start"] for e in mine if e["phase"] != "wait_rollouts")
+        out[f"rank {rank} ({mine[0]['role']})"] = busy / span if span > 0 else 0.0
+    return out
+
+
+def plot_rewards(run_dir: Path, out: Path, plt) -> None:
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals_path = run_dir / "eval.jsonl"
+    evals = ([json.loads(x) for x in evals_path.read_text().splitlines()]
+             if evals_path.exists() else [])
+    fig, (ax, kx) = plt.subplots(1, 2, figsize=(11, 4))
+    ax.plot([m["step"] for m in metrics], [m["reward_mean"] for m in metrics], lw=1,
+            alpha=0.6, label="training batch")
+    if evals:
+        ax.plot([e["step"] for e in evals], [e["reward_mean"] for e in evals], marker="o",
+                label="held-out (sampled)")
+        ax.plot([e["step"] for e in evals], [e["reward_mean_greedy"] for e in evals],
+                marker="s", label="held-out (greedy)")
+    ax.set_xlabel("trainer step")
+    ax.set_ylabel("reward")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    kx.plot([m["step"] for m in metrics], [m.get("mismatch_kl", 0.0) for m in metrics])
+    kx.set_xlabel("trainer step")
+    kx.set_ylabel("mismatch KL (behaviour || trainer), per token")
+    kx.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "reward.png", dpi=110)
+    plt.close(fig)
+
+
+def plot_timeline(events: list[dict], steps: int, out: Path, plt) -> None:
+    trainer_steps = sorted({e["step"] for e in events
+                            if e["phase"] == "train" and e["step"] is not None})
+    window = set(trainer_steps[-steps:]) if trainer_steps else set()
+    tr = [e for e in events if e["phase"] in ("wait_rollouts", "train", "sync")
+          and e["step"] in window]
+    lo = min((e["start"] for e in tr), default=min(e["start"] for e in events))
+    hi = max((e["end"] for e in tr), default=max(e["end"] for e in events))
+    shown = [e for e in events if e["end"] >= lo and e["start"] <= hi]
+    ranks = sorted({(e["rank"], e["role"]) for e in events})
+    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.6 * len(ranks)))
+    for y, (rank, _) in enumerate(ranks):
+        for e in (x for x in shown if x["rank"] == rank):
+            ax.barh(y, e["end"] - e["start"], left=e["start"] - lo, height=0.6,
+                    color=COLORS.get(e["phase"], "#999999"), edgecolor="none")
+    ax.set_yticks(range(len(ranks)), [f"rank {r}: {role}" for r, role in ranks])
+    ax.invert_yaxis()
+    ax.set_xlim(0, hi - lo)
+    ax.set_xlabel(f"seconds (last {len(window)} trainer steps)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
+    ax.legend(handles, COLORS.keys(), ncol=4, fontsize=8, loc="upper center",
+              bbox_to_anchor=(0.5, -0.35 if len(ranks) < 4 else -0.2))
+    ax.set_title("phases per rank (white = idle)")
+    fig.tight_layout()
+    fig.savefig(out / "timeline.png", dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m llamarl.plot", description=__doc__)
+    ap.add_argument("run_dir")
+    ap.add_argument("--steps", type=int, default=6, help="trainer steps in timeline.png")
+    args = ap.parse_args(argv)
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "metrics.jsonl").exists():
+        print(f"llamarl.plot: {run_dir} has no metrics.jsonl: pass a run directory",
+              file=sys.stderr)
+        return 2
+    out = run_dir / "plots"
+    out.mkdir(exist_ok=True)
+    events = timeline.read(run_dir)
+    if events:
+        (out / "timeline.trace.json").write_text(json.dumps(chrome_trace(events)))
+        for rank, share in busy_share(events).items():
+            print(f"{rank}: busy {100 * share:.0f}% of the run")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("llamarl.plot: matplotlib is not installed (pip install matplotlib); wrote only "
+              f"{out / 'timeline.trace.json'}", file=sys.stderr)
+        return 1
+    plot_rewards(run_dir, out, plt)
+    if events:
+        plot_timeline(events, args.steps, out, plt)
+    print(f"charts in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Checkpoint and resume: 6 steps straight == 3 steps + resume + 3 steps (on-policy)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, child_env
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.slow
+RECIPE = "recipes/tiny_grpo_cpu.yaml"
+COMMON = ["generator.prompts_per_step=8", "data.eval_prompts=16", "run.eval_every=0",
+          "run.checkpoint_every=3", "run.name=resume-test"]
+TOLERANCE = 1e-5  # max |difference| of any weight after 6 steps
+
+
+def launch(out: Path, cache: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "llamarl.launch", RECIPE, f"run.output_dir={out}", *COMMON,
+           *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(LLAMARL_CACHE=cache),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def only_run(out: Path) -> Path:
+    (run,) = [p for p in out.iterdir() if p.is_dir()]
+    return run
+
+
+def test_resume_continues_exactly(tmp_path, cache_dir):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    launch(straight, cache_dir, "run.steps=6")
+    launch(split, cache_dir, "run.steps=3")
+    first = only_run(split)
+    assert (first / "checkpoints" / "step_00000003" / "meta.json").is_file()
+    # A checkpoint write that was killed halfway must never be picked up.
+    shutil.copytree(first / "checkpoints" / "step_00000003",
+                    first / "checkpoints" / "step_00000005.partial")
+    (first / "checkpoints" / "step_00000005.partial" / "meta.json").unlink()
+    proc = launch(split, cache_dir, "run.steps=6", "run.resume=auto")
+    assert "resumed from" in proc.stderr and "step_00000003" in proc.stderr
+    assert only_run(split) == first, "resume continues in the same run directory"
+
+    a = [json.loads(x) for x in (only_run(straight) / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(x) for x in (first / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
+    assert [r["batch_digest"] for r in a] == [r["batch_digest"] for r in b], "data order"
+    assert [round(r["reward_mean"], 6) for r in a] == [round(r["reward_mean"], 6) for r in b]
+
+    wa = load_file(only_run(straight) / "policy" / "model.safetensors")
+    wb = load_file(first / "policy" / "model.safetensors")
+    worst = max((wa[k] - wb[k]).abs().max().item() for k in wa)
+    print(f"resume: max |weight difference| after 6 steps = {worst:.3g}")
+    assert worst <= TOLERANCE
+    kept = sorted(p.name for p in (first / "checkpoints").iterdir())
+    assert kept == ["step_00000003", "step_00000006"], kept  # keep 2, partial removed
+
+
+def test_export_any_checkpoint_as_hf_directory(tmp_path, cache_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from llamarl.export import main as export_main
+
+    launch(tmp_path / "runs", cache_dir, "run.steps=3")
+    run = only_run(tmp_path / "runs")
+    out = tmp_path / "exported"
+    assert export_main([str(run / "checkpoints" / "step_00000003"), str(out)]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(out)
+    final = AutoModelForCausalLM.from_pretrained(run / "policy")  # same weights: step 3
+    for (n, p), (_, q) in zip(exported.named_parameters(), final.named_parameters()):
+        assert torch.equal(p, q), n

@@ -1,0 +1,68 @@
+"""Common mistakes become one-line errors at start-up, on every rank, without a hang."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+from conftest import torchrun
+
+from llamarl.config import TrainerConfig
+from llamarl.tiny.model import build_model
+from llamarl.trainer.loop import check_tokenizer
+from llamarl.trainer.policy import collate
+from llamarl.trainer.step import PolicyTrainer
+
+RECIPE = "recipes/tiny_grpo_cpu.yaml"
+
+
+def _launch_fails(tmp_path, cache_dir, *overrides: str) -> str:
+    t0 = time.monotonic()
+    proc = torchrun(3, ["-m", "llamarl.launch", RECIPE, f"run.output_dir={tmp_path}",
+                        "generator.prompts_per_step=8", *overrides],
+                    timeout=300, LLAMARL_CACHE=cache_dir)
+    assert proc.returncode != 0
+    assert time.monotonic() - t0 < 120
+    return proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_missing_model_path_is_named(tmp_path, cache_dir):
+    out = _launch_fails(tmp_path, cache_dir, f"model.path={tmp_path}/no-such-model")
+    line = next(x for x in out.splitlines() if x.startswith("llamarl: rank 0 (trainer 0)"))
+    assert "no-such-model" in line and "config.json" in line, line
+
+
+@pytest.mark.slow
+def test_prompt_plus_response_longer_than_the_engine_context(tmp_path, cache_dir):
+    out = _launch_fails(tmp_path, cache_dir, "generator.max_model_len=16",
+                        "generator.max_new_tokens=12")
+    line = next(x for x in out.splitlines() if x.startswith("llamarl: rank 2 (generator 0)"))
+    assert "generator.max_model_len 16" in line and "at least 20" in line, line
+
+
+def test_tokenizer_without_eos_is_refused():
+    _, tok = build_model(0)
+    tok.eos_token = None
+    with pytest.raises(ValueError, match="no EOS token"):
+        check_tokenizer(tok, "some/model")
+
+
+def test_nan_loss_skips_steps_then_stops_the_run():
+    model, tok = build_model(0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = PolicyTrainer(model, TrainerConfig(max_bad_steps=3), 10, 1, torch.device("cpu"))
+    mb = [collate([([1, 4, 5], [6, 2], [])], tok.pad_token_id)]
+
+    def nan_loss(logp, batch, i):
+        return (logp * batch.mask).sum() * math.nan, {}
+
+    for _ in range(2):
+        out = trainer.step(mb, nan_loss)
+        assert out["skipped"] == 1.0
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), "a skipped step must not touch the weights"
+    with pytest.raises(RuntimeError, match="NaN/inf for 3 steps in a row"):
+        trainer.step(mb, nan_loss)
