@@ -80,7 +80,7 @@ def plot_timeline(events: list[dict], steps: int, out: Path, plt) -> None:
     hi = max((e["end"] for e in tr), default=max(e["end"] for e in events))
     shown = [e for e in events if e["end"] >= lo and e["start"] <= hi]
     ranks = sorted({(e["rank"], e["role"]) for e in events})
-    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.6 * len(ranks)))
+    fig, ax = plt.subplots(figsize=(12, 1.6 + 0.6 * len(ranks)))
     for y, (rank, _) in enumerate(ranks):
         for e in (x for x in shown if x["rank"] == rank):
             ax.barh(y, e["end"] - e["start"], left=e["start"] - lo, height=0.6,
@@ -90,8 +90,7 @@ def plot_timeline(events: list[dict], steps: int, out: Path, plt) -> None:
     ax.set_xlim(0, hi - lo)
     ax.set_xlabel(f"seconds (last {len(window)} trainer steps)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
-    ax.legend(handles, COLORS.keys(), ncol=4, fontsize=8, loc="upper center",
-              bbox_to_anchor=(0.5, -0.35 if len(ranks) < 4 else -0.2))
+    ax.legend(handles, COLORS.keys(), fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.set_title("phases per rank (white = idle)")
     fig.tight_layout()
     fig.savefig(out / "timeline.png", dpi=110)

@@ -110,7 +110,8 @@ def test_failing_reward_function_stops_every_rank_naming_the_generator(tmp_path,
     assert not list(Path("/dev/shm").glob(f"llamarl_{run.name.split('-', 2)[-1]}*"))
 
 
-def test_killed_generator_stops_every_rank_with_a_named_error(tmp_path, cache_dir):
+@pytest.mark.parametrize("victim", ["generator 0", "trainer 1"])
+def test_killed_rank_stops_every_rank_with_a_named_error(tmp_path, cache_dir, victim):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
            "-m", "llamarl.launch", RECIPE, "run.steps=100000", f"run.output_dir={tmp_path}",
            *SMALL]
@@ -131,9 +132,9 @@ def test_killed_generator_stops_every_rank_with_a_named_error(tmp_path, cache_di
             pytest.fail("the run never reached step 2")
         run = metrics.parent
         ranks = [json.loads(x) for x in (run / "ranks.jsonl").read_text().splitlines()]
-        gen = next(r for r in ranks if r["role"] == "generator 0")
-        others = [r["pid"] for r in ranks if r is not gen]
-        os.kill(gen["pid"], signal.SIGKILL)
+        dead = next(r for r in ranks if r["role"] == victim)
+        others = [r["pid"] for r in ranks if r is not dead]
+        os.kill(dead["pid"], signal.SIGKILL)
         t_kill = time.monotonic()
         out, _ = proc.communicate(timeout=90)
         elapsed = time.monotonic() - t_kill
@@ -142,7 +143,7 @@ def test_killed_generator_stops_every_rank_with_a_named_error(tmp_path, cache_di
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0
     assert elapsed < 60, f"took {elapsed:.1f} s to stop"
-    assert "rank 2 (generator 0)" in out, out[-3000:]
+    assert f"rank {dead['rank']} ({victim})" in out, out[-3000:]
     named = [line for line in out.splitlines() if "llamarl:" in line]
     print(f"stopped {elapsed:.1f} s after SIGKILL; messages: {named}")
     for pid in others:
