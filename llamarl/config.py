@@ -61,9 +61,11 @@ class TrainerConfig:
 
 @dataclass
 class AlgorithmConfig:
+    # Advantage estimator (llamarl/algorithms/advantages.py): grpo | dr_grpo | rloo |
+    # reinforce_pp | reinforce_pp_baseline
     name: str = "grpo"
     clip_eps: float = 0.2
-    loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean
+    loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_sum_constant
     adv_eps: float = 1e-6  # added to the group std in GRPO's normalisation
     # Off-policy / mismatch correction against the behaviour policy that sampled the tokens
     # (see llamarl/algorithms/offpolicy.py): none (PPO clip) | aipo | tis | icepop
@@ -128,8 +130,8 @@ class Config:
 _CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "trainer.lr_schedule": ("constant", "cosine"),
-    "algorithm.name": ("grpo",),
-    "algorithm.loss_agg": ("token_mean", "seq_mean_token_mean"),
+    "algorithm.name": ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"),
+    "algorithm.loss_agg": ("token_mean", "seq_mean_token_mean", "seq_sum_constant"),
     "algorithm.correction": ("none", "aipo", "tis", "icepop"),
     "algorithm.tis_level": ("token", "sequence"),
 }
@@ -182,9 +184,9 @@ def validate(cfg: Config) -> Config:
     if not 0 < cfg.generator.gpu_memory_utilization <= 1:
         _fail("generator.gpu_memory_utilization", cfg.generator.gpu_memory_utilization,
               "must be in (0, 1]")
-    if cfg.generator.samples_per_prompt < 2:
+    if cfg.generator.samples_per_prompt < 2 and cfg.algorithm.name != "reinforce_pp":
         _fail("generator.samples_per_prompt", cfg.generator.samples_per_prompt,
-              "GRPO needs at least 2 samples per prompt to normalise within a group")
+              f"{cfg.algorithm.name} needs at least 2 samples per prompt for its group baseline")
     if len(cfg.trainer.betas) != 2 or not all(0 <= b < 1 for b in cfg.trainer.betas):
         _fail("trainer.betas", cfg.trainer.betas, "must be two numbers in [0, 1)")
     if not 0 < cfg.algorithm.clip_eps < 1:

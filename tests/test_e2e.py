@@ -4,6 +4,7 @@ the exported policy, and the failure paths (bad world size, a rank killed with S
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -193,3 +194,22 @@ def test_plot_writes_charts_and_a_chrome_trace(finished_run):
     phases = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert {"generate", "train", "sync", "load_weights", "wait_rollouts"} <= phases
     assert {e["tid"] for e in trace["traceEvents"]} == {0, 1, 2}
+
+
+CPU_RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*_cpu.yaml"))
+
+
+@pytest.mark.parametrize("recipe", CPU_RECIPES)
+def test_every_cpu_recipe_runs_a_few_steps(recipe, tmp_path, cache_dir):
+    from llamarl.config import load_config
+
+    cfg = load_config(ROOT / "recipes" / recipe, [])
+    n = cfg.trainer.ranks + cfg.generator.engines * cfg.generator.tp
+    proc = torchrun(n, ["-m", "llamarl.launch", f"recipes/{recipe}", "run.steps=2",
+                        f"run.output_dir={tmp_path}", "generator.prompts_per_step=8",
+                        "data.eval_prompts=16", "run.eval_every=0"],
+                    timeout=600, LLAMARL_CACHE=cache_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,) = run_dirs(tmp_path)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)

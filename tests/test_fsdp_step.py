@@ -6,7 +6,7 @@ from test_buffer import make_batch
 
 from llamarl.config import load_config
 from llamarl.tiny.model import build_model
-from llamarl.trainer.loop import grpo_step
+from llamarl.trainer.loop import policy_step
 from llamarl.trainer.step import PolicyTrainer
 
 CFG = ["trainer.micro_batch_size=3", "trainer.lr=1e-2", "trainer.ranks=2"]
@@ -14,7 +14,7 @@ CFG = ["trainer.micro_batch_size=3", "trainer.lr=1e-2", "trainer.ranks=2"]
 
 def test_two_rank_fsdp2_step_matches_single_process(tmp_path):
     out = tmp_path / "fsdp.pt"
-    proc = torchrun(2, [str(DIST / "fsdp_grpo_step.py")], timeout=300, OUT=out)
+    proc = torchrun(2, [str(DIST / "fsdp_policy_step.py")], timeout=300, OUT=out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     sharded = torch.load(out)
 
@@ -22,7 +22,7 @@ def test_two_rank_fsdp2_step_matches_single_process(tmp_path):
     model, tok = build_model(seed=0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     trainer = PolicyTrainer(model, cfg.trainer, 1, 1, torch.device("cpu"))
-    stats = grpo_step(trainer, make_batch(4, 4, seed=5), cfg, tok.pad_token_id)
+    stats = policy_step(trainer, make_batch(4, 4, seed=5), cfg, tok.pad_token_id)
 
     assert abs(stats["loss"] - sharded["stats"]["loss"]) < 1e-5
     assert abs(stats["grad_norm"] - sharded["stats"]["grad_norm"]) < 1e-4

@@ -6,7 +6,7 @@ from test_buffer import make_batch
 from llamarl.buffer.record import RolloutBatch
 from llamarl.config import load_config
 from llamarl.tiny.model import build_model
-from llamarl.trainer.loop import drop_stale, grpo_step
+from llamarl.trainer.loop import drop_stale, policy_step
 from llamarl.trainer.step import PolicyTrainer
 
 
@@ -27,7 +27,7 @@ def test_all_stale_step_counts_drops_and_leaves_weights_untouched():
     trainer = PolicyTrainer(model, cfg.trainer, 1, 1, torch.device("cpu"))
     kept, dropped = drop_stale(make_batch(2, 4, seed=3, version=0), version=5, max_staleness=1)
     assert kept is None
-    stats = grpo_step(trainer, kept, cfg, tok.pad_token_id, version=5, filler=dropped)
+    stats = policy_step(trainer, kept, cfg, tok.pad_token_id, version=5, filler=dropped)
     assert stats["dropped"] == 8 and stats["n_seqs"] == 0
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k  # masked filler: zero gradient

@@ -23,9 +23,11 @@ does not depend on how the batch is cut into micro-batches or ranks:
 
     token_mean:           L = sum_{i,t} l_it / N_tokens
     seq_mean_token_mean:  L = (1 / N_seqs) * sum_i (sum_t l_it / T_i)
+    seq_sum_constant:     L = sum_{i,t} l_it / (N_seqs * T_max)
+                          (Dr. GRPO; T_max = generator.max_new_tokens)
 
-`normalizer` is N_tokens or N_seqs of the global batch. Stats returned (sums over the
-micro-batch's completion tokens, or max / min):
+`normalizer` is N_tokens, N_seqs or N_seqs * T_max of the global batch. Stats returned (sums
+over the micro-batch's completion tokens, or max / min):
 `corrected` tokens clipped, capped, truncated or masked; `mismatch_kl`, the k3 estimate of
 KL(mu || pi_theta) = E_mu[(rho - 1) - log rho]; `ratio_sum`, `ratio_max`, `ratio_min`.
 """
@@ -70,14 +72,14 @@ def policy_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: to
         raise ValueError(f"algorithm.correction {cfg.correction!r}: use none, aipo, tis or icepop")
     per_token = per_token * mask
 
-    if cfg.loss_agg == "token_mean":
+    if cfg.loss_agg in ("token_mean", "seq_sum_constant"):
         loss = per_token.sum() / normalizer
     elif cfg.loss_agg == "seq_mean_token_mean":
         lens = mask.sum(dim=1).clamp(min=1)
         loss = (per_token.sum(dim=1) / lens).sum() / normalizer
     else:
-        raise ValueError(f"algorithm.loss_agg {cfg.loss_agg!r}: use token_mean or "
-                         "seq_mean_token_mean")
+        raise ValueError(f"algorithm.loss_agg {cfg.loss_agg!r}: use token_mean, "
+                         "seq_mean_token_mean or seq_sum_constant")
     with torch.no_grad():
         valid = mask > 0
         big = torch.finfo(ratio.dtype).max

@@ -4,7 +4,7 @@ On-policy loop of trainer rank r (of T), with E engines:
 
     for step in 0..steps-1:
         batch = concat(channel[e -> r].get() for e in engines)      # whole groups, version = step
-        A = group_advantages(batch.rewards)                          # GRPO
+        A = compute_advantages(algorithm.name, batch.rewards, ...)   # GRPO, RLOO, ...
         PolicyTrainer.step(micro-batches, clipped surrogate)         # one optimizer step
         WeightSender.send(model)                 # all ranks gather, rank 0 sends
     save the final policy as a Hugging Face directory
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from llamarl.algorithms.grpo import group_advantages
+from llamarl.algorithms.advantages import compute_advantages
 from llamarl.algorithms.policy_loss import policy_loss
 from llamarl.buffer.channel import open_channel
 from llamarl.buffer.record import RolloutBatch
@@ -140,7 +140,7 @@ def run_trainer(rt: Runtime) -> None:
 
         t0 = time.perf_counter()
         with timeline.phase("train", step):
-            stats = grpo_step(trainer, batch, cfg, tokenizer.pad_token_id, version, dropped)
+            stats = policy_step(trainer, batch, cfg, tokenizer.pad_token_id, version, dropped)
         train_s = time.perf_counter() - t0
         dropped_total += int(stats["dropped"])
 
@@ -218,10 +218,11 @@ def drop_stale(batch: RolloutBatch, version: int, max_staleness: int):
     return (batch.select(keep) if keep else None), batch.select(drop)
 
 
-def grpo_step(trainer: PolicyTrainer, batch: RolloutBatch | None, cfg, pad_id: int,
+def policy_step(trainer: PolicyTrainer, batch: RolloutBatch | None, cfg, pad_id: int,
               version: int = 0, filler: RolloutBatch | None = None) -> dict:
-    """One GRPO optimizer step on this rank's share of the global batch; `filler` holds the
-    samples dropped as stale (counted, and used only as masked filler).
+    """One policy-gradient optimizer step (advantages: algorithm.name) on this rank's share of
+    the global batch; `filler` holds the samples dropped as stale (counted, and used only as
+    masked filler).
 
     Every trainer rank must run the same number of micro-batches (FSDP2 collectives), so a
     rank whose batch is short (stale samples dropped) runs masked filler micro-batches that
@@ -230,7 +231,8 @@ def grpo_step(trainer: PolicyTrainer, batch: RolloutBatch | None, cfg, pad_id: i
     mb = cfg.trainer.micro_batch_size
     chunks = []
     if batch is not None:
-        adv = group_advantages(batch.rewards, batch.group_ids, cfg.algorithm.adv_eps)
+        adv = compute_advantages(cfg.algorithm.name, batch.rewards, batch.group_ids,
+                                 batch.completion_lens, cfg.algorithm.adv_eps, _all_reduce_sum)
         seqs = batch.sequences()
         chunks = [(collate(seqs[i:i + mb], pad_id), adv[i:i + mb])
                   for i in range(0, len(seqs), mb)]
@@ -252,7 +254,9 @@ def grpo_step(trainer: PolicyTrainer, batch: RolloutBatch | None, cfg, pad_id: i
         chunks.append(_filler_chunk(batch if batch is not None else filler, pad_id))
     n_tokens_norm = max(n_tokens, 1.0)
     n_seqs_norm = max(n_seqs, 1.0)
-    norm = n_tokens_norm if cfg.algorithm.loss_agg == "token_mean" else n_seqs_norm
+    norm = {"token_mean": n_tokens_norm, "seq_mean_token_mean": n_seqs_norm,
+            # Dr. GRPO: a constant, N_seqs x the longest allowed response
+            "seq_sum_constant": n_seqs_norm * cfg.generator.max_new_tokens}[cfg.algorithm.loss_agg]
 
     def loss_fn(logp, mbatch, i):
         return policy_loss(logp, mbatch.old_logp, chunks[i][1].to(logp.device), mbatch.mask,
@@ -263,6 +267,14 @@ def grpo_step(trainer: PolicyTrainer, batch: RolloutBatch | None, cfg, pad_id: i
                  staleness_sum=stale_sum, staleness_max=staleness_max, dropped=dropped,
                  n_tokens_all=n_all)
     return stats
+
+
+def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over the trainer ranks (global-batch statistics of an estimator)."""
+    if dist.is_initialized():
+        t = t.clone()
+        dist.all_reduce(t)
+    return t
 
 
 def _filler_chunk(source: RolloutBatch, pad_id: int):

@@ -15,7 +15,7 @@ from llamarl.buffer.record import split_groups  # noqa: E402
 from llamarl.config import load_config  # noqa: E402
 from llamarl.parallel.fsdp import apply_fsdp  # noqa: E402
 from llamarl.tiny.model import build_model  # noqa: E402
-from llamarl.trainer.loop import grpo_step  # noqa: E402
+from llamarl.trainer.loop import policy_step  # noqa: E402
 from llamarl.trainer.step import PolicyTrainer  # noqa: E402
 
 CFG = ["trainer.micro_batch_size=3", "trainer.lr=1e-2", "trainer.ranks=2"]
@@ -29,7 +29,7 @@ if __name__ == "__main__":
     apply_fsdp(model, init_device_mesh("cpu", (world,)), torch.float32)
     trainer = PolicyTrainer(model, cfg.trainer, 1, world, torch.device("cpu"))
     batch = split_groups(make_batch(4, 4, seed=5), world)[rank]
-    stats = grpo_step(trainer, batch, cfg, tok.pad_token_id)
+    stats = policy_step(trainer, batch, cfg, tok.pad_token_id)
     state = {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
     if rank == 0:
         torch.save({"state": state, "stats": stats}, os.environ["OUT"])

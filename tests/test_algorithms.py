@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from llamarl.algorithms.grpo import group_advantages
+from llamarl.algorithms.advantages import compute_advantages, group_advantages
 from llamarl.algorithms.policy_loss import policy_loss
 from llamarl.config import AlgorithmConfig
 
@@ -119,3 +119,57 @@ def test_micro_batches_sum_to_the_full_batch_loss():
     parts = sum(policy_loss(logp[i:i + 2], old[i:i + 2], adv[i:i + 2], mask[i:i + 2], cfg, n)[0]
                 for i in range(0, 6, 2))
     assert torch.allclose(full, parts, atol=1e-6)
+
+
+# -- the other estimators, on one group r = [1, 0, 0, 0] (mean 0.25) -------------------------
+R = torch.tensor([1.0, 0.0, 0.0, 0.0])
+G = torch.tensor([0, 0, 0, 0])
+L = torch.tensor([3, 3, 3, 3])
+
+
+def test_dr_grpo_is_centred_without_std():
+    a = compute_advantages("dr_grpo", R, G, L)
+    assert torch.allclose(a, torch.tensor([0.75, -0.25, -0.25, -0.25]))
+
+
+def test_rloo_subtracts_the_mean_of_the_others():
+    # 1 - mean(0, 0, 0) = 1 ; 0 - mean(1, 0, 0) = -1/3
+    a = compute_advantages("rloo", R, G, L)
+    assert torch.allclose(a, torch.tensor([1.0, -1 / 3, -1 / 3, -1 / 3]))
+
+
+def test_reinforce_pp_whitens_over_the_batch():
+    # mu = 0.25, sigma = sqrt(0.25 * 0.75): A = (r - mu) / sigma
+    a = compute_advantages("reinforce_pp", R, G, L, eps=0.0)
+    s = math.sqrt(0.25 * 0.75)
+    assert torch.allclose(a, torch.tensor([0.75 / s] + [-0.25 / s] * 3), atol=1e-6)
+
+
+def test_reinforce_pp_statistics_are_token_weighted():
+    # lengths 1 and 3: mu = (1*1 + 0*3) / 4 = 0.25, E[r^2] = 0.25, sigma = sqrt(0.1875)
+    a = compute_advantages("reinforce_pp", torch.tensor([1.0, 0.0]), torch.tensor([0, 1]),
+                           torch.tensor([1, 3]), eps=0.0)
+    s = math.sqrt(0.1875)
+    assert torch.allclose(a, torch.tensor([0.75 / s, -0.25 / s]), atol=1e-6)
+
+
+def test_reinforce_pp_baseline_by_hand():
+    # groups [1, 0] and [1, 1] -> centred [0.5, -0.5, 0, 0]; mu 0, sigma sqrt(0.125)
+    a = compute_advantages("reinforce_pp_baseline", torch.tensor([1.0, 0.0, 1.0, 1.0]),
+                           torch.tensor([0, 0, 1, 1]), torch.ones(4), eps=0.0)
+    s = math.sqrt(0.125)
+    assert torch.allclose(a, torch.tensor([0.5 / s, -0.5 / s, 0.0, 0.0]), atol=1e-6)
+
+
+def test_global_statistics_use_the_all_reduce():
+    # two "ranks" holding one sample each must see the statistics of both
+    other = torch.tensor([0.0 * 1, 0.0, 1.0])  # (sum w r, sum w r^2, sum w) of the other rank
+    a = compute_advantages("reinforce_pp", torch.tensor([1.0]), torch.tensor([0]),
+                           torch.tensor([1]), eps=0.0, all_reduce_sum=lambda t: t + other)
+    assert torch.allclose(a, torch.tensor([1.0]))  # mu 0.5, sigma 0.5
+
+
+def test_dr_grpo_constant_normaliser():
+    # l = [-1.2, -1.0 | +0.8] (see _example); constant normaliser N_seqs * T_max = 2 * 4
+    loss, _, _ = _run(agg="seq_sum_constant", norm=2 * 4, clip_eps=0.2)
+    assert loss == pytest.approx((-1.2 - 1.0 + 0.8) / 8)

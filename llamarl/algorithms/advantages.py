@@ -1,0 +1,75 @@
+"""Advantage estimators for outcome rewards (one scalar reward per completion).
+
+For a prompt with G completions and rewards r_1..r_G (one group), every completion token of
+sample i gets the advantage A_i:
+
+    grpo                   A_i = (r_i - mean(r)) / (std(r) + eps)         std: population std
+    dr_grpo                A_i =  r_i - mean(r)          (Dr. GRPO: no std normalisation; pair
+                                                          it with loss_agg = seq_sum_constant)
+    rloo                   A_i =  r_i - mean_{j != i} r_j  =  G / (G - 1) * (r_i - mean(r))
+    reinforce_pp           A_i = (r_i - mu) / (sigma + eps)     mu, sigma over every completion
+                                                                token of the global batch
+    reinforce_pp_baseline  b_i = r_i - mean(r) (group baseline), then
+                           A_i = (b_i - mu_b) / (sigma_b + eps) over the global batch's tokens
+
+The global-batch statistics of REINFORCE++ are token-weighted (a completion of T_i tokens
+counts T_i times) and summed over all trainer ranks through `all_reduce_sum`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+
+
+def _group_centered(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """r - mean(group), the group's population std and its size, per sample."""
+    centered = torch.empty_like(rewards, dtype=torch.float32)
+    std = torch.empty_like(centered)
+    size = torch.empty_like(centered)
+    for g in torch.unique(group_ids):
+        idx = group_ids == g
+        r = rewards[idx].float()
+        centered[idx] = r - r.mean()
+        std[idx] = r.std(unbiased=False)
+        size[idx] = float(len(r))
+    return centered, std, size
+
+
+def _whiten(values: torch.Tensor, weights: torch.Tensor, eps: float,
+            all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """(v - mu) / (sigma + eps), mu and sigma weighted by `weights` over the global batch."""
+    w = weights.float()
+    sums = all_reduce_sum(torch.stack([(w * values).sum(), (w * values * values).sum(),
+                                       w.sum()]))
+    mu = sums[0] / sums[2].clamp(min=1)
+    var = (sums[1] / sums[2].clamp(min=1) - mu * mu).clamp(min=0)
+    return (values - mu) / (var.sqrt() + eps)
+
+
+def compute_advantages(name: str, rewards: torch.Tensor, group_ids: torch.Tensor,
+                       lengths: torch.Tensor, eps: float = 1e-6,
+                       all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+                       ) -> torch.Tensor:
+    """rewards, group_ids, lengths (completion tokens): [B] -> advantages [B]."""
+    centered, std, size = _group_centered(rewards, group_ids)
+    if name == "grpo":
+        return centered / (std + eps)
+    if name == "dr_grpo":
+        return centered
+    if name == "rloo":
+        return centered * size / (size - 1).clamp(min=1)
+    if name == "reinforce_pp":
+        return _whiten(rewards.float(), lengths, eps, all_reduce_sum)
+    if name == "reinforce_pp_baseline":
+        return _whiten(centered, lengths, eps, all_reduce_sum)
+    raise ValueError(f"algorithm.name {name!r}: use one of {', '.join(ESTIMATORS)}")
+
+
+def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor,
+                     eps: float = 1e-6) -> torch.Tensor:
+    """GRPO's group-normalised advantages (kept as the short name for the default)."""
+    return compute_advantages("grpo", rewards, group_ids, torch.ones_like(rewards), eps)
