@@ -74,6 +74,11 @@ class AlgorithmConfig:
     tis_level: str = "token"  # token | sequence (truncated IS weight per token or per sequence)
     icepop_low: float = 0.5  # IcePop: tokens whose ratio leaves [low, high] are masked
     icepop_high: float = 2.0
+    # KL to the frozen reference policy (the starting checkpoint) as a loss term; 0 loads no
+    # reference model. Estimators: k1 | k2 | k3 (llamarl/algorithms/kl.py).
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0  # entropy bonus: L -= entropy_coef * mean token entropy
 
 
 @dataclass
@@ -134,6 +139,7 @@ _CHOICES = {
     "algorithm.loss_agg": ("token_mean", "seq_mean_token_mean", "seq_sum_constant"),
     "algorithm.correction": ("none", "aipo", "tis", "icepop"),
     "algorithm.tis_level": ("token", "sequence"),
+    "algorithm.kl_estimator": ("k1", "k2", "k3"),
 }
 
 
@@ -173,7 +179,9 @@ def validate(cfg: Config) -> Config:
                        cfg.trainer.warmup_steps, "sync.max_staleness": cfg.sync.max_staleness,
                        "trainer.threads": cfg.trainer.threads,
                        "trainer.weight_decay": cfg.trainer.weight_decay,
-                       "trainer.grad_clip": cfg.trainer.grad_clip}.items():
+                       "trainer.grad_clip": cfg.trainer.grad_clip,
+                       "algorithm.kl_coef": cfg.algorithm.kl_coef,
+                       "algorithm.entropy_coef": cfg.algorithm.entropy_coef}.items():
         if value < 0:
             _fail(key, value, "must be >= 0")
     if cfg.run.log_every <= 0:

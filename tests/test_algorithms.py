@@ -173,3 +173,55 @@ def test_dr_grpo_constant_normaliser():
     # l = [-1.2, -1.0 | +0.8] (see _example); constant normaliser N_seqs * T_max = 2 * 4
     loss, _, _ = _run(agg="seq_sum_constant", norm=2 * 4, clip_eps=0.2)
     assert loss == pytest.approx((-1.2 - 1.0 + 0.8) / 8)
+
+
+# -- KL to the reference policy, and the entropy bonus --------------------------------------
+def test_kl_estimators_by_hand():
+    from llamarl.algorithms.kl import kl_estimate
+
+    logp, ref = torch.tensor([math.log(0.5), math.log(0.2)]), torch.tensor([math.log(0.25)] * 2)
+    x = logp - ref  # [log 2, log 0.8]
+    assert torch.allclose(kl_estimate(logp, ref, "k1"), x)
+    assert torch.allclose(kl_estimate(logp, ref, "k2"), 0.5 * x * x)
+    # k3 = ref/pi - 1 - log(ref/pi): 0.5 - 1 + log 2 ; 1.25 - 1 - log 1.25
+    k3 = torch.tensor([0.5 - 1 + math.log(2), 1.25 - 1 - math.log(1.25)])
+    assert torch.allclose(kl_estimate(logp, ref, "k3"), k3, atol=1e-6)
+    assert (kl_estimate(logp, ref, "k3") >= 0).all()
+
+
+def test_zero_kl_coef_loads_no_reference_model():
+    from llamarl.config import load_config
+    from llamarl.trainer.loop import load_reference
+
+    assert load_reference(load_config(None, []), "/no/such/model", None, None) is None
+
+
+def test_kl_term_is_zero_against_an_identical_reference_and_entropy_bonus_has_a_gradient():
+    import copy
+
+    from test_buffer import make_batch
+
+    from llamarl.config import load_config
+    from llamarl.tiny.model import build_model
+    from llamarl.trainer.loop import policy_step
+    from llamarl.trainer.step import PolicyTrainer
+
+    batch = make_batch(2, 4, seed=7)
+    base, tok = build_model(seed=0)
+    ref = copy.deepcopy(base).eval()
+
+    def run(*overrides, reference=None, entropy=False):
+        model = copy.deepcopy(base)
+        cfg = load_config(None, ["trainer.lr=1e-2", *overrides])
+        t = PolicyTrainer(model, cfg.trainer, 1, 1, torch.device("cpu"), entropy_grad=entropy)
+        stats = policy_step(t, batch, cfg, tok.pad_token_id, reference=reference)
+        return stats, model
+
+    plain, m_plain = run()
+    with_kl, m_kl = run("algorithm.kl_coef=0.5", reference=ref)
+    assert with_kl["kl_ref"] == pytest.approx(0.0, abs=1e-6)  # same weights: k3 = 0
+    assert with_kl["loss"] == pytest.approx(plain["loss"], abs=1e-6)
+    _, m_ent = run("algorithm.entropy_coef=0.5", entropy=True)
+    moved = max((a - b).abs().max().item()
+                for a, b in zip(m_ent.parameters(), m_plain.parameters()))
+    assert moved > 1e-6, "the entropy bonus must change the update"

@@ -39,6 +39,19 @@ import torch
 from llamarl.config import AlgorithmConfig
 
 
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str,
+              normalizer: float) -> torch.Tensor:
+    """This micro-batch's share of the global aggregate of `per_token` [B, T] over `mask`."""
+    per_token = per_token * mask
+    if agg in ("token_mean", "seq_sum_constant"):
+        return per_token.sum() / normalizer
+    if agg == "seq_mean_token_mean":
+        lens = mask.sum(dim=1).clamp(min=1)
+        return (per_token.sum(dim=1) / lens).sum() / normalizer
+    raise ValueError(f"algorithm.loss_agg {agg!r}: use token_mean, seq_mean_token_mean or "
+                     "seq_sum_constant")
+
+
 def policy_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, cfg: AlgorithmConfig,
                 normalizer: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -70,16 +83,7 @@ def policy_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: to
         per_token = -weight * adv * logp
     else:
         raise ValueError(f"algorithm.correction {cfg.correction!r}: use none, aipo, tis or icepop")
-    per_token = per_token * mask
-
-    if cfg.loss_agg in ("token_mean", "seq_sum_constant"):
-        loss = per_token.sum() / normalizer
-    elif cfg.loss_agg == "seq_mean_token_mean":
-        lens = mask.sum(dim=1).clamp(min=1)
-        loss = (per_token.sum(dim=1) / lens).sum() / normalizer
-    else:
-        raise ValueError(f"algorithm.loss_agg {cfg.loss_agg!r}: use token_mean, "
-                         "seq_mean_token_mean or seq_sum_constant")
+    loss = aggregate(per_token, mask, cfg.loss_agg, normalizer)
     with torch.no_grad():
         valid = mask > 0
         big = torch.finfo(ratio.dtype).max

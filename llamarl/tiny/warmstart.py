@@ -79,7 +79,7 @@ def run_warm_start(task: str, out_dir: Path, mesh, device: torch.device, log=pri
         if dist.is_initialized():
             dist.all_reduce(n_tokens)
 
-        def loss_fn(logp, mb, _i, n=float(n_tokens)):
+        def loss_fn(logp, mb, _i, _entropy, n=float(n_tokens)):
             return -(logp * mb.mask).sum() / n, {}
 
         stats = trainer.step(mbs, loss_fn)

@@ -23,7 +23,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from llamarl.algorithms.advantages import compute_advantages
-from llamarl.algorithms.policy_loss import policy_loss
+from llamarl.algorithms.kl import kl_estimate
+from llamarl.algorithms.policy_loss import aggregate, policy_loss
 from llamarl.buffer.channel import open_channel
 from llamarl.buffer.record import RolloutBatch
 from llamarl.launch.runtime import Runtime, log
@@ -33,7 +34,7 @@ from llamarl.parallel.weight_sync import WeightSender, metas_to_json
 from llamarl.timeline import Timeline
 from llamarl.trainer import checkpoint
 from llamarl.trainer.metrics import MetricsLog
-from llamarl.trainer.policy import DTYPES, collate, load_policy
+from llamarl.trainer.policy import DTYPES, collate, load_policy, token_logprobs
 from llamarl.trainer.step import PolicyTrainer
 
 
@@ -51,6 +52,17 @@ def init_trainer_group(rt: Runtime):
                             rank=rt.role.index, world_size=rt.layout.trainer_ranks,
                             timeout=timedelta(seconds=rt.cfg.sync.timeout_s))
     return init_device_mesh(rt.device.type, (rt.layout.trainer_ranks,))
+
+
+def load_reference(cfg, model_path: str, mesh, device: torch.device):
+    """The frozen reference policy (the starting checkpoint), FSDP2-sharded on the trainer
+    mesh like the policy; None when algorithm.kl_coef is 0 (nothing is loaded)."""
+    if cfg.algorithm.kl_coef == 0:
+        return None
+    ref = load_policy(model_path, cfg.model.dtype).to(device)
+    ref.requires_grad_(False)
+    ref.eval()
+    return apply_fsdp(ref, mesh, param_dtype=DTYPES[cfg.model.dtype])
 
 
 def open_weight_sender(rt: Runtime, model: torch.nn.Module) -> WeightSender:
@@ -105,7 +117,8 @@ def run_trainer(rt: Runtime) -> None:
     check_tokenizer(tokenizer, model_path)
     apply_fsdp(model, mesh, param_dtype=DTYPES[cfg.model.dtype])
     trainer = PolicyTrainer(model, cfg.trainer, cfg.run.steps, T, rt.device,
-                            cfg.generator.temperature)
+                            cfg.generator.temperature, cfg.algorithm.entropy_coef > 0)
+    reference = load_reference(cfg, model_path, mesh, rt.device)
 
     sender = open_weight_sender(rt, model)
     channels = [open_channel(rt, e, r, "consumer") for e in range(rt.layout.engines)]
@@ -140,7 +153,8 @@ def run_trainer(rt: Runtime) -> None:
 
         t0 = time.perf_counter()
         with timeline.phase("train", step):
-            stats = policy_step(trainer, batch, cfg, tokenizer.pad_token_id, version, dropped)
+            stats = policy_step(trainer, batch, cfg, tokenizer.pad_token_id, version, dropped,
+                                reference)
         train_s = time.perf_counter() - t0
         dropped_total += int(stats["dropped"])
 
@@ -171,6 +185,7 @@ def run_trainer(rt: Runtime) -> None:
             "clip_frac": stats.get("corrected", 0.0) / n_tok,
             "mismatch_kl": stats.get("mismatch_kl", 0.0) / n_tok,
             "entropy": stats.get("entropy_sum", 0.0) / n_tok,
+            "kl_ref": stats.get("kl_ref", 0.0) / n_tok,
             "ratio_mean": stats.get("ratio_sum", 0.0) / n_tok,
             "ratio_max": stats.get("ratio_max", 0.0), "ratio_min": stats.get("ratio_min", 0.0),
             "staleness_mean": stats["staleness_sum"] / max(stats["n_seqs"], 1.0),
@@ -219,7 +234,8 @@ def drop_stale(batch: RolloutBatch, version: int, max_staleness: int):
 
 
 def policy_step(trainer: PolicyTrainer, batch: RolloutBatch | None, cfg, pad_id: int,
-              version: int = 0, filler: RolloutBatch | None = None) -> dict:
+              version: int = 0, filler: RolloutBatch | None = None,
+              reference: torch.nn.Module | None = None) -> dict:
     """One policy-gradient optimizer step (advantages: algorithm.name) on this rank's share of
     the global batch; `filler` holds the samples dropped as stale (counted, and used only as
     masked filler).
@@ -258,9 +274,20 @@ def policy_step(trainer: PolicyTrainer, batch: RolloutBatch | None, cfg, pad_id:
             # Dr. GRPO: a constant, N_seqs x the longest allowed response
             "seq_sum_constant": n_seqs_norm * cfg.generator.max_new_tokens}[cfg.algorithm.loss_agg]
 
-    def loss_fn(logp, mbatch, i):
-        return policy_loss(logp, mbatch.old_logp, chunks[i][1].to(logp.device), mbatch.mask,
-                           cfg.algorithm, norm)
+    alg = cfg.algorithm
+
+    def loss_fn(logp, mbatch, i, entropy):
+        loss, stats = policy_loss(logp, mbatch.old_logp, chunks[i][1].to(logp.device),
+                                  mbatch.mask, alg, norm)
+        if reference is not None:  # L += beta * KL(pi_theta || pi_ref), per-token estimator
+            with torch.no_grad():
+                ref_logp, _ = token_logprobs(reference, mbatch, trainer.temperature)
+            kl = kl_estimate(logp, ref_logp, alg.kl_estimator)
+            loss = loss + alg.kl_coef * aggregate(kl, mbatch.mask, alg.loss_agg, norm)
+            stats["kl_ref"] = (kl.detach() * mbatch.mask).sum()
+        if alg.entropy_coef > 0:  # L -= c * H: keeps the policy from collapsing early
+            loss = loss - alg.entropy_coef * aggregate(entropy, mbatch.mask, alg.loss_agg, norm)
+        return loss, stats
 
     stats = trainer.step([c[0] for c in chunks], loss_fn)
     stats.update(n_tokens=n_tokens, n_seqs=n_seqs, reward_sum=reward_sum, finished=finished,

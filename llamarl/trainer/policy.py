@@ -55,16 +55,17 @@ def collate(seqs: list[tuple[list[int], list[int], list[float]]], pad_id: int) -
     return TokenBatch(ids, attn, ids[:, 1:].clone(), mask, old)
 
 
-def token_logprobs(model: torch.nn.Module, batch: TokenBatch,
-                   temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float,
+                   entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """log softmax(logits / temperature) of each next token, [B, T-1] float32, and the entropy
-    of that distribution at each position, H = -sum_v p_v log p_v, [B, T-1] (no gradient).
+    of that distribution at each position, H = -sum_v p_v log p_v, [B, T-1] (with a gradient
+    only when `entropy_grad`, for an entropy bonus).
 
     The generator samples from the same temperature-scaled softmax (top_p = 1, no top_k), so
     the logprobs are directly comparable with the behaviour logprobs it returns.
     """
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     logp_all = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-    with torch.no_grad():
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp_all.gather(-1, batch.targets[..., None]).squeeze(-1), entropy

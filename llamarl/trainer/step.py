@@ -16,18 +16,22 @@ from llamarl.config import TrainerConfig
 from llamarl.trainer.optim import build_optimizer
 from llamarl.trainer.policy import TokenBatch, token_logprobs
 
-# loss_fn(logp [B, T-1], micro-batch, micro-batch index) -> (loss share, stats of sums)
-LossFn = Callable[[torch.Tensor, TokenBatch, int], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# loss_fn(logp [B, T-1], micro-batch, micro-batch index, entropy [B, T-1])
+#     -> (loss share, stats of sums)
+LossFn = Callable[[torch.Tensor, TokenBatch, int, torch.Tensor],
+                  tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 class PolicyTrainer:
     def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, total_steps: int,
-                 dp_size: int, device: torch.device, temperature: float = 1.0):
+                 dp_size: int, device: torch.device, temperature: float = 1.0,
+                 entropy_grad: bool = False):
         self.model = model
         self.cfg = cfg
         self.dp_size = dp_size
         self.device = device
         self.temperature = temperature
+        self.entropy_grad = entropy_grad  # an entropy bonus needs its gradient
         self.opt, self.sched = build_optimizer(model, cfg, total_steps)
         self.skipped_steps = 0  # total
         self.bad_streak = 0  # consecutive
@@ -43,11 +47,11 @@ class PolicyTrainer:
             if hasattr(self.model, "set_requires_gradient_sync"):
                 self.model.set_requires_gradient_sync(i == last)  # reduce-scatter once
             mb = mb.to(self.device)
-            logp, entropy = token_logprobs(self.model, mb, self.temperature)
-            loss, stats = loss_fn(logp, mb, i)
+            logp, entropy = token_logprobs(self.model, mb, self.temperature, self.entropy_grad)
+            loss, stats = loss_fn(logp, mb, i, entropy)
             (loss * self.dp_size).backward()
             totals["loss"] += loss.detach()
-            stats = dict(stats, entropy_sum=(entropy * mb.mask).sum())
+            stats = dict(stats, entropy_sum=(entropy.detach() * mb.mask).sum())
             for k, v in stats.items():
                 if k.endswith("_max"):
                     totals[k] = torch.maximum(totals.get(k, v.detach()), v.detach())
