@@ -59,9 +59,16 @@ class RolloutBatch:
     @classmethod
     def from_lists(cls, prompts: list[list[int]], completions: list[list[int]],
                    logprobs: list[list[float]], rewards: list[float], group_ids: list[int],
-                   finished: list[bool], policy_version: int, generator: int,
-                   info: dict | None = None) -> RolloutBatch:
+                   finished: list[bool], policy_version: int | list[int],
+                   generator: int | list[int], info: dict | None = None) -> RolloutBatch:
+        """Build from per-sequence lists; `policy_version` and `generator` are one value for
+        the whole batch or one per sequence."""
         b = len(prompts)
+
+        def per_row(value, dtype):
+            if isinstance(value, int):
+                return torch.full((b,), value, dtype=dtype)
+            return torch.tensor(value, dtype=dtype)
 
         def flat(rows, dtype):
             return torch.tensor([x for r in rows for x in r], dtype=dtype)
@@ -75,8 +82,8 @@ class RolloutBatch:
             rewards=torch.tensor(rewards, dtype=torch.float32),
             group_ids=torch.tensor(group_ids, dtype=torch.int64),
             finished=torch.tensor(finished, dtype=torch.uint8),
-            policy_version=torch.full((b,), policy_version, dtype=torch.int64),
-            generator=torch.full((b,), generator, dtype=torch.int32),
+            policy_version=per_row(policy_version, torch.int64),
+            generator=per_row(generator, torch.int32),
             info=dict(info or {}))
 
     def columns(self) -> dict[str, torch.Tensor]:
@@ -100,13 +107,8 @@ class RolloutBatch:
         return RolloutBatch.from_lists(
             [seqs[i][0] for i in rows], [seqs[i][1] for i in rows], [seqs[i][2] for i in rows],
             self.rewards[rows].tolist(), self.group_ids[rows].tolist(),
-            [bool(x) for x in self.finished[rows].tolist()], 0, 0, dict(self.info)
-        )._with(policy_version=self.policy_version[rows], generator=self.generator[rows])
-
-    def _with(self, **cols) -> RolloutBatch:
-        for k, v in cols.items():
-            setattr(self, k, v.clone())
-        return self
+            [bool(x) for x in self.finished[rows].tolist()],
+            self.policy_version[rows].tolist(), self.generator[rows].tolist(), dict(self.info))
 
     @staticmethod
     def concat(batches: list[RolloutBatch]) -> RolloutBatch:

@@ -14,7 +14,7 @@ import secrets
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -44,7 +44,6 @@ class Runtime:
     device: torch.device
     watchdog: Watchdog
     hosts_store: bool = False  # this process serves the job store (Slurm / plain env rank 0)
-    timings: dict = field(default_factory=dict)
 
     @property
     def on_cpu(self) -> bool:
@@ -62,12 +61,7 @@ class Runtime:
     def wait_key(self, key: str, timeout_s: float = STARTUP_TIMEOUT_S) -> str:
         """Block until another rank publishes `key` (woken by the store the moment it is set).
         A dead or failed peer ends this process through the watchdog, so no polling here."""
-        self.watchdog.check()
-        try:
-            self.store.wait([key], timedelta(seconds=timeout_s))
-        except dist.DistStoreError:
-            raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for '{key}'") from None
-        return self.store.get(key).decode()
+        return wait_for(self.store, key, self.watchdog, timeout_s)
 
     @property
     def resume(self) -> dict:
@@ -127,7 +121,7 @@ def setup(cfg: Config, layout: Layout, env: DistEnv) -> Runtime:
             "world_size": layout.world_size, "trainer_ranks": layout.trainer_ranks,
             "engines": layout.engines, "tp": layout.tp, "launcher": env.launcher}, indent=1))
         store.set("run", json.dumps({"id": run_id, "dir": str(run_dir)}))
-    rt_info = json.loads(_wait(store, "run", watchdog))
+    rt_info = json.loads(wait_for(store, "run", watchdog))
     rt = Runtime(cfg, layout, role, env, store, prefix, rt_info["id"], Path(rt_info["dir"]),
                  device, watchdog, hosts_store)
     if rt.run_dir.is_dir():  # shared filesystem (always on one host): who runs where
@@ -150,13 +144,15 @@ def _resume_point(cfg: Config) -> Path | None:
     return found
 
 
-def _wait(store: dist.Store, key: str, watchdog: Watchdog) -> str:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while not store.check([key]):
-        watchdog.check()
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out waiting for '{key}' from rank 0")
-        time.sleep(0.05)
+def wait_for(store: dist.Store, key: str, watchdog: Watchdog,
+             timeout_s: float = STARTUP_TIMEOUT_S) -> str:
+    """Block until another rank publishes `key` (woken by the store the moment it is set).
+    A dead or failed peer ends this process through the watchdog, so no polling here."""
+    watchdog.check()
+    try:
+        store.wait([key], timedelta(seconds=timeout_s))
+    except dist.DistStoreError:
+        raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for '{key}'") from None
     return store.get(key).decode()
 
 
