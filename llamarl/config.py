@@ -62,7 +62,7 @@ class TrainerConfig:
 @dataclass
 class AlgorithmConfig:
     # Advantage estimator (llamarl/algorithms/advantages.py): grpo | dr_grpo | rloo |
-    # reinforce_pp | reinforce_pp_baseline
+    # reinforce_pp | reinforce_pp_baseline, or ppo (a critic and GAE, llamarl/algorithms/gae.py)
     name: str = "grpo"
     clip_eps: float = 0.2
     loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_sum_constant
@@ -74,11 +74,36 @@ class AlgorithmConfig:
     tis_level: str = "token"  # token | sequence (truncated IS weight per token or per sequence)
     icepop_low: float = 0.5  # IcePop: tokens whose ratio leaves [low, high] are masked
     icepop_high: float = 2.0
-    # KL to the frozen reference policy (the starting checkpoint) as a loss term; 0 loads no
-    # reference model. Estimators: k1 | k2 | k3 (llamarl/algorithms/kl.py).
+    # KL to the frozen reference policy (the starting checkpoint); 0 loads no reference model.
+    # Estimators: k1 | k2 | k3 (llamarl/algorithms/kl.py). kl_mode: loss (beta * KL added to the
+    # loss) | reward (a per-token reward penalty -beta * KL_t, before the advantages).
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
+    kl_mode: str = "loss"
     entropy_coef: float = 0.0  # entropy bonus: L -= entropy_coef * mean token entropy
+    # PPO (algorithm.name = ppo): GAE's discount and lambda, advantage whitening over the batch
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten_advantages: bool = True
+    # Every estimator: passes over each rollout batch, and optimizer steps per pass (the batch is
+    # cut into this many mini-batches; each is one optimizer step of gradient-accumulated
+    # micro-batches). 1 and 1 = one optimizer step per rollout batch.
+    epochs: int = 1
+    mini_batches: int = 1
+
+
+@dataclass
+class CriticConfig:
+    """The value model of PPO (loaded only when algorithm.name = ppo)."""
+
+    # "" = initialise from the policy's weights with a new value head; else a local HF directory
+    # (e.g. a reward model: a sequence-classification head `score` becomes the value head).
+    path: str = ""
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    grad_clip: float = 1.0
+    value_clip: float = 0.2  # clipped value loss: V_old +- value_clip (0 = no clipping)
 
 
 @dataclass
@@ -123,6 +148,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
@@ -135,7 +161,9 @@ class Config:
 _CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "trainer.lr_schedule": ("constant", "cosine"),
-    "algorithm.name": ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"),
+    "algorithm.name": ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
+                       "ppo"),
+    "algorithm.kl_mode": ("loss", "reward"),
     "algorithm.loss_agg": ("token_mean", "seq_mean_token_mean", "seq_sum_constant"),
     "algorithm.correction": ("none", "aipo", "tis", "icepop"),
     "algorithm.tis_level": ("token", "sequence"),
@@ -167,6 +195,8 @@ def validate(cfg: Config) -> Config:
         "sync.timeout_s": cfg.sync.timeout_s, "sync.dead_peer_s": cfg.sync.dead_peer_s,
         "buffer.capacity": cfg.buffer.capacity, "data.eval_prompts": cfg.data.eval_prompts,
         "trainer.max_bad_steps": cfg.trainer.max_bad_steps,
+        "algorithm.epochs": cfg.algorithm.epochs,
+        "algorithm.mini_batches": cfg.algorithm.mini_batches, "critic.lr": cfg.critic.lr,
         "data.eval_samples_per_prompt": cfg.data.eval_samples_per_prompt,
     }
     for key, value in positive.items():
@@ -181,7 +211,11 @@ def validate(cfg: Config) -> Config:
                        "trainer.weight_decay": cfg.trainer.weight_decay,
                        "trainer.grad_clip": cfg.trainer.grad_clip,
                        "algorithm.kl_coef": cfg.algorithm.kl_coef,
-                       "algorithm.entropy_coef": cfg.algorithm.entropy_coef}.items():
+                       "algorithm.entropy_coef": cfg.algorithm.entropy_coef,
+                       "critic.weight_decay": cfg.critic.weight_decay,
+                       "critic.warmup_steps": cfg.critic.warmup_steps,
+                       "critic.grad_clip": cfg.critic.grad_clip,
+                       "critic.value_clip": cfg.critic.value_clip}.items():
         if value < 0:
             _fail(key, value, "must be >= 0")
     if cfg.run.log_every <= 0:
@@ -192,7 +226,14 @@ def validate(cfg: Config) -> Config:
     if not 0 < cfg.generator.gpu_memory_utilization <= 1:
         _fail("generator.gpu_memory_utilization", cfg.generator.gpu_memory_utilization,
               "must be in (0, 1]")
-    if cfg.generator.samples_per_prompt < 2 and cfg.algorithm.name != "reinforce_pp":
+    for key in ("gamma", "lam"):
+        if not 0 <= getattr(cfg.algorithm, key) <= 1:
+            _fail(f"algorithm.{key}", getattr(cfg.algorithm, key), "must be in [0, 1]")
+    if cfg.critic.path and cfg.algorithm.name != "ppo":
+        _fail("critic.path", cfg.critic.path, "only PPO (algorithm.name=ppo) uses a critic: "
+              "remove critic.path or set algorithm.name=ppo")
+    if cfg.generator.samples_per_prompt < 2 and cfg.algorithm.name not in ("reinforce_pp",
+                                                                           "ppo"):
         _fail("generator.samples_per_prompt", cfg.generator.samples_per_prompt,
               f"{cfg.algorithm.name} needs at least 2 samples per prompt for its group baseline")
     if len(cfg.trainer.betas) != 2 or not all(0 <= b < 1 for b in cfg.trainer.betas):

@@ -203,7 +203,7 @@ def test_kl_term_is_zero_against_an_identical_reference_and_entropy_bonus_has_a_
 
     from llamarl.config import load_config
     from llamarl.tiny.model import build_model
-    from llamarl.trainer.loop import policy_step
+    from llamarl.trainer.rl_step import policy_step
     from llamarl.trainer.step import PolicyTrainer
 
     batch = make_batch(2, 4, seed=7)

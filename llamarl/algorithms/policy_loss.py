@@ -1,7 +1,8 @@
 """Policy losses for samples from a behaviour policy mu that differs from the trained pi_theta
 (stale weights when max_staleness > 0, and the engine/trainer numeric mismatch always).
 
-Per completion token t of sample i, with advantage A_i and the importance ratio
+Per completion token t of sample i, with advantage A_i (or A_it: PPO's GAE, a KL reward
+penalty) and the importance ratio
 
     rho_t = pi_theta(y_t | .) / mu(y_t | .) = exp(log pi_theta - log mu),
 
@@ -55,11 +56,12 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str,
 def policy_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, cfg: AlgorithmConfig,
                 normalizer: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """logp, behaviour_logp, mask: [B, T]; advantages: [B]. Returns (loss share, stats)."""
+    """logp, behaviour_logp, mask: [B, T]; advantages: [B] (per sequence) or [B, T] (per
+    token). Returns (loss share, stats)."""
     mask = mask.float()
     log_ratio = (logp - behaviour_logp) * mask
     ratio = torch.exp(log_ratio)
-    adv = advantages[:, None].to(logp.dtype)
+    adv = (advantages[:, None] if advantages.dim() == 1 else advantages).to(logp.dtype)
     eps = cfg.clip_eps
 
     if cfg.correction in ("none", "icepop"):

@@ -3,7 +3,8 @@
 Layout, under RUN_DIR/checkpoints/:
 
     step_00000006/              complete: the only form `latest()` ever returns
-      .metadata, __*_*.distcp   DCP shards of {"model": ..., "optim": ...} (every trainer rank)
+      .metadata, __*_*.distcp   DCP shards of {"model", "optim"} (+ {"critic", "critic_optim"}
+                                for PPO), written by every trainer rank
       rng_rank<r>.pt            each trainer rank's torch RNG state
       meta.json                 step, policy version, LR schedule, prompts consumed per engine,
                                 the base model directory (for the config and tokenizer)
@@ -62,8 +63,10 @@ def find_resume(spec: str, output_dir: Path, name: str) -> Path | None:
     return found
 
 
-def save(run_dir: Path, step: int, model, optimizer, scheduler, meta: dict, keep: int) -> Path:
-    """Collective over the trainer ranks. Returns the complete checkpoint's path."""
+def save(run_dir: Path, step: int, model, optimizer, scheduler, meta: dict, keep: int,
+         critic=None) -> Path:
+    """Collective over the trainer ranks. Returns the complete checkpoint's path. `critic`:
+    PPO's critic trainer (model, optimizer, schedule), saved beside the policy."""
     rank = dist.get_rank()
     final = checkpoint_dir(run_dir) / f"step_{step:08d}"
     tmp = final.with_name(final.name + PARTIAL)
@@ -71,12 +74,13 @@ def save(run_dir: Path, step: int, model, optimizer, scheduler, meta: dict, keep
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    dcp.save(_state(model, optimizer, critic), checkpoint_id=str(tmp))
     torch.save(torch.get_rng_state(), tmp / f"rng_rank{rank}.pt")
     dist.barrier()  # every rank's shards are on disk
     if rank == 0:
         full_meta = dict(meta, step=step, scheduler=scheduler.state_dict())
+        if critic is not None:
+            full_meta["critic_scheduler"] = critic.sched.state_dict()
         (tmp / "meta.json").write_text(json.dumps(full_meta, indent=1))
         os.replace(tmp, final)  # the commit point
         _prune(checkpoint_dir(run_dir), keep)
@@ -84,15 +88,30 @@ def save(run_dir: Path, step: int, model, optimizer, scheduler, meta: dict, keep
     return final
 
 
-def load(path: Path, model, optimizer, scheduler) -> dict:
-    """Collective over the trainer ranks: restore model, optimizer, schedule and RNG."""
+def _state(model, optimizer, critic) -> dict:
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
+    if critic is not None:
+        state["critic"], state["critic_optim"] = get_state_dict(critic.model, critic.opt)
+    return state
+
+
+def load(path: Path, model, optimizer, scheduler, critic=None) -> dict:
+    """Collective over the trainer ranks: restore model, optimizer, schedule and RNG (and the
+    critic's model, optimizer and schedule)."""
+    meta = json.loads((Path(path) / "meta.json").read_text())
+    if critic is not None and "critic_scheduler" not in meta:
+        raise ValueError(f"checkpoint {path} has no critic (it was not written by a PPO run): "
+                         "resume it with the algorithm it was trained with")
+    state = _state(model, optimizer, critic)
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
-    meta = json.loads((Path(path) / "meta.json").read_text())
     scheduler.load_state_dict(meta["scheduler"])
+    if critic is not None:
+        set_state_dict(critic.model, critic.opt, model_state_dict=state["critic"],
+                       optim_state_dict=state["critic_optim"])
+        critic.sched.load_state_dict(meta["critic_scheduler"])
     rng = Path(path) / f"rng_rank{dist.get_rank()}.pt"
     if rng.exists():
         torch.set_rng_state(torch.load(rng))

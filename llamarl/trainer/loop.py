@@ -1,12 +1,13 @@
-"""The trainer role: FSDP2 policy on the trainer sub-mesh, GRPO steps, weight broadcast.
+"""The trainer role: FSDP2 policy (and PPO's critic, the reference) on the trainer sub-mesh,
+RL updates, weight broadcast.
 
 On-policy loop of trainer rank r (of T), with E engines:
 
     for step in 0..steps-1:
         batch = concat(channel[e -> r].get() for e in engines)      # whole groups, version = step
-        A = compute_advantages(algorithm.name, batch.rewards, ...)   # GRPO, RLOO, ...
-        PolicyTrainer.step(micro-batches, clipped surrogate)         # one optimizer step
-        WeightSender.send(model)                 # all ranks gather, rank 0 sends
+        policy_step(batch): advantages (GRPO, RLOO, ..., PPO's GAE with the critic), then
+            algorithm.epochs x algorithm.mini_batches optimizer steps     (trainer/rl_step.py)
+        WeightSender.publish(model)              # every rank sends its own shards
     save the final policy as a Hugging Face directory
 """
 
@@ -22,9 +23,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from llamarl.algorithms.advantages import compute_advantages
-from llamarl.algorithms.kl import kl_estimate
-from llamarl.algorithms.policy_loss import aggregate, policy_loss
 from llamarl.buffer.channel import open_channel
 from llamarl.buffer.record import RolloutBatch
 from llamarl.launch.runtime import Runtime, log
@@ -33,8 +31,10 @@ from llamarl.parallel.groups import make_group
 from llamarl.parallel.weight_sync import WeightSender, metas_to_json
 from llamarl.timeline import Timeline
 from llamarl.trainer import checkpoint
+from llamarl.trainer.critic import build_critic
 from llamarl.trainer.metrics import MetricsLog
-from llamarl.trainer.policy import DTYPES, collate, load_policy, token_logprobs
+from llamarl.trainer.policy import DTYPES, load_policy
+from llamarl.trainer.rl_step import policy_step
 from llamarl.trainer.step import PolicyTrainer
 
 
@@ -116,9 +116,12 @@ def run_trainer(rt: Runtime) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     check_tokenizer(tokenizer, model_path)
     apply_fsdp(model, mesh, param_dtype=DTYPES[cfg.model.dtype])
-    trainer = PolicyTrainer(model, cfg.trainer, cfg.run.steps, T, rt.device,
+    opt_steps = cfg.run.steps * cfg.algorithm.epochs * cfg.algorithm.mini_batches
+    trainer = PolicyTrainer(model, cfg.trainer, opt_steps, T, rt.device,
                             cfg.generator.temperature, cfg.algorithm.entropy_coef > 0)
     reference = load_reference(cfg, model_path, mesh, rt.device)
+    critic = (build_critic(cfg, model_path, mesh, rt.device, opt_steps, T)
+              if cfg.algorithm.name == "ppo" else None)
 
     sender = open_weight_sender(rt, model)
     channels = [open_channel(rt, e, r, "consumer") for e in range(rt.layout.engines)]
@@ -133,7 +136,8 @@ def run_trainer(rt: Runtime) -> None:
     version, dropped_total, k = 0, 0, cfg.sync.max_staleness
     resume = rt.resume
     if resume:
-        meta = checkpoint.load(Path(resume["checkpoint"]), model, trainer.opt, trainer.sched)
+        meta = checkpoint.load(Path(resume["checkpoint"]), model, trainer.opt, trainer.sched,
+                               critic)
         version = meta["policy_version"]
         if version >= cfg.run.steps:
             raise ValueError(f"the checkpoint {resume['checkpoint']} is at step {version}, "
@@ -154,7 +158,7 @@ def run_trainer(rt: Runtime) -> None:
         t0 = time.perf_counter()
         with timeline.phase("train", step):
             stats = policy_step(trainer, batch, cfg, tokenizer.pad_token_id, version, dropped,
-                                reference)
+                                reference, critic)
         train_s = time.perf_counter() - t0
         dropped_total += int(stats["dropped"])
 
@@ -171,7 +175,7 @@ def run_trainer(rt: Runtime) -> None:
         if every and (version % every == 0 or last):
             with timeline.phase("checkpoint", step):
                 checkpoint.save(rt.run_dir, version, model, trainer.opt, trainer.sched, keep=
-                                cfg.run.keep_checkpoints, meta={
+                                cfg.run.keep_checkpoints, critic=critic, meta={
                                     "policy_version": version, "model_path": model_path,
                                     "prompts_consumed_per_engine": version * per_engine})
 
@@ -207,6 +211,10 @@ def run_trainer(rt: Runtime) -> None:
             "step_time_s": time.perf_counter() - t_step,
             "elapsed_s": time.perf_counter() - run_t0,
         }
+        if critic is not None:
+            row.update(value_loss=stats["value_loss"], critic_grad_norm=stats["critic_grad_norm"],
+                       value_mean=stats["value_sum"] / n_tok,
+                       value_clip_frac=stats["value_clipped"] / n_tok)
         row["skipped_steps_total"] = int(stats["skipped_total"])
         if "skipped" in stats:
             row["skipped_step"] = 1
@@ -231,85 +239,6 @@ def drop_stale(batch: RolloutBatch, version: int, max_staleness: int):
     keep = fresh.nonzero().flatten().tolist()
     drop = (~fresh).nonzero().flatten().tolist()
     return (batch.select(keep) if keep else None), batch.select(drop)
-
-
-def policy_step(trainer: PolicyTrainer, batch: RolloutBatch | None, cfg, pad_id: int,
-              version: int = 0, filler: RolloutBatch | None = None,
-              reference: torch.nn.Module | None = None) -> dict:
-    """One policy-gradient optimizer step (advantages: algorithm.name) on this rank's share of
-    the global batch; `filler` holds the samples dropped as stale (counted, and used only as
-    masked filler).
-
-    Every trainer rank must run the same number of micro-batches (FSDP2 collectives), so a
-    rank whose batch is short (stale samples dropped) runs masked filler micro-batches that
-    contribute nothing to the gradient.
-    """
-    mb = cfg.trainer.micro_batch_size
-    chunks = []
-    if batch is not None:
-        adv = compute_advantages(cfg.algorithm.name, batch.rewards, batch.group_ids,
-                                 batch.completion_lens, cfg.algorithm.adv_eps, _all_reduce_sum)
-        seqs = batch.sequences()
-        chunks = [(collate(seqs[i:i + mb], pad_id), adv[i:i + mb])
-                  for i in range(0, len(seqs), mb)]
-    n = len(batch) if batch is not None else 0
-    stale = (version - batch.policy_version) if batch is not None else torch.zeros(1)
-    all_tokens = float(batch.prompt_lens.sum() + batch.completion_lens.sum()) if n else 0.0
-    local = torch.tensor([float(batch.completion_lens.sum()) if n else 0.0, float(n),
-                          float(batch.rewards.sum()) if n else 0.0,
-                          float(batch.finished.sum()) if n else 0.0,
-                          float(stale.sum()) if n else 0.0,
-                          float(len(filler)) if filler is not None else 0.0, all_tokens])
-    counts = torch.tensor([float(stale.max()) if n else 0.0, float(len(chunks))])
-    if dist.is_initialized():
-        dist.all_reduce(local)  # every rank needs the global normaliser
-        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
-    n_tokens, n_seqs, reward_sum, finished, stale_sum, dropped, n_all = local.tolist()
-    staleness_max, n_micro = counts.tolist()
-    while len(chunks) < int(n_micro):  # masked filler: same collectives, zero gradient
-        chunks.append(_filler_chunk(batch if batch is not None else filler, pad_id))
-    n_tokens_norm = max(n_tokens, 1.0)
-    n_seqs_norm = max(n_seqs, 1.0)
-    norm = {"token_mean": n_tokens_norm, "seq_mean_token_mean": n_seqs_norm,
-            # Dr. GRPO: a constant, N_seqs x the longest allowed response
-            "seq_sum_constant": n_seqs_norm * cfg.generator.max_new_tokens}[cfg.algorithm.loss_agg]
-
-    alg = cfg.algorithm
-
-    def loss_fn(logp, mbatch, i, entropy):
-        loss, stats = policy_loss(logp, mbatch.old_logp, chunks[i][1].to(logp.device),
-                                  mbatch.mask, alg, norm)
-        if reference is not None:  # L += beta * KL(pi_theta || pi_ref), per-token estimator
-            with torch.no_grad():
-                ref_logp, _ = token_logprobs(reference, mbatch, trainer.temperature)
-            kl = kl_estimate(logp, ref_logp, alg.kl_estimator)
-            loss = loss + alg.kl_coef * aggregate(kl, mbatch.mask, alg.loss_agg, norm)
-            stats["kl_ref"] = (kl.detach() * mbatch.mask).sum()
-        if alg.entropy_coef > 0:  # L -= c * H: keeps the policy from collapsing early
-            loss = loss - alg.entropy_coef * aggregate(entropy, mbatch.mask, alg.loss_agg, norm)
-        return loss, stats
-
-    stats = trainer.step([c[0] for c in chunks], loss_fn)
-    stats.update(n_tokens=n_tokens, n_seqs=n_seqs, reward_sum=reward_sum, finished=finished,
-                 staleness_sum=stale_sum, staleness_max=staleness_max, dropped=dropped,
-                 n_tokens_all=n_all)
-    return stats
-
-
-def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum over the trainer ranks (global-batch statistics of an estimator)."""
-    if dist.is_initialized():
-        t = t.clone()
-        dist.all_reduce(t)
-    return t
-
-
-def _filler_chunk(source: RolloutBatch, pad_id: int):
-    """One sequence of `source` with its loss mask zeroed."""
-    p, c, lp = source.sequences()[0]
-    tb = collate([(p, c, lp)], pad_id)
-    tb.mask.zero_()
-    return tb, torch.zeros(1)
 
 
 def save_policy(model: torch.nn.Module, src_dir: str, out_dir: Path, writer: bool) -> None:

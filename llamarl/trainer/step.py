@@ -1,4 +1,5 @@
-"""One optimizer step over micro-batches, shared by every loss (GRPO, the SFT warm start).
+"""One optimizer step over micro-batches, shared by every loss (the policy's RL losses, the SFT
+warm start, PPO's value loss through a `forward` that returns values instead of logprobs).
 
 FSDP2 averages gradients over the D trainer ranks, so each rank back-propagates D x its share of
 the global loss: the result is the gradient of the global loss, however the batch is cut.
@@ -16,17 +17,23 @@ from llamarl.config import TrainerConfig
 from llamarl.trainer.optim import build_optimizer
 from llamarl.trainer.policy import TokenBatch, token_logprobs
 
-# loss_fn(logp [B, T-1], micro-batch, micro-batch index, entropy [B, T-1])
-#     -> (loss share, stats of sums)
-LossFn = Callable[[torch.Tensor, TokenBatch, int, torch.Tensor],
+# loss_fn(out [B, T-1], micro-batch, micro-batch index, entropy [B, T-1] or None)
+#     -> (loss share, stats of sums); `out` is what `forward` returns first (logprobs by default)
+LossFn = Callable[[torch.Tensor, TokenBatch, int, torch.Tensor | None],
                   tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# forward(model, micro-batch) -> (out [B, T-1], entropy [B, T-1] or None)
+Forward = Callable[[torch.nn.Module, TokenBatch], tuple[torch.Tensor, torch.Tensor | None]]
 
 
 class PolicyTrainer:
     def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, total_steps: int,
                  dp_size: int, device: torch.device, temperature: float = 1.0,
-                 entropy_grad: bool = False):
+                 entropy_grad: bool = False, forward: Forward | None = None,
+                 name: str = "policy"):
         self.model = model
+        self.name = name  # for error messages
+        self.forward = forward or (lambda m, mb: token_logprobs(m, mb, self.temperature,
+                                                                 self.entropy_grad))
         self.cfg = cfg
         self.dp_size = dp_size
         self.device = device
@@ -47,11 +54,12 @@ class PolicyTrainer:
             if hasattr(self.model, "set_requires_gradient_sync"):
                 self.model.set_requires_gradient_sync(i == last)  # reduce-scatter once
             mb = mb.to(self.device)
-            logp, entropy = token_logprobs(self.model, mb, self.temperature, self.entropy_grad)
-            loss, stats = loss_fn(logp, mb, i, entropy)
+            out, entropy = self.forward(self.model, mb)
+            loss, stats = loss_fn(out, mb, i, entropy)
             (loss * self.dp_size).backward()
             totals["loss"] += loss.detach()
-            stats = dict(stats, entropy_sum=(entropy.detach() * mb.mask).sum())
+            if entropy is not None:
+                stats = dict(stats, entropy_sum=(entropy.detach() * mb.mask).sum())
             for k, v in stats.items():
                 if k.endswith("_max"):
                     totals[k] = torch.maximum(totals.get(k, v.detach()), v.detach())
@@ -76,9 +84,10 @@ class PolicyTrainer:
             out["skipped"] = 1.0
             if self.bad_streak >= self.cfg.max_bad_steps:
                 raise RuntimeError(
-                    f"loss or gradient norm was NaN/inf for {self.bad_streak} steps in a row "
-                    f"(last loss {out['loss']}, grad norm {out['grad_norm']}): lower "
-                    "trainer.lr, check the rewards, or raise trainer.max_bad_steps")
+                    f"{self.name} loss or gradient norm was NaN/inf for {self.bad_streak} steps "
+                    f"in a row (last loss {out['loss']}, grad norm {out['grad_norm']}): lower "
+                    f"{'critic' if self.name == 'critic' else 'trainer'}.lr, check the rewards, "
+                    "or raise trainer.max_bad_steps")
         out["skipped_total"] = float(self.skipped_steps)
         return out
 

@@ -1,5 +1,9 @@
-"""torchrun --nproc-per-node 2: one GRPO step with FSDP2 on the gloo trainer group; rank 0
-saves the updated full weights to $OUT for comparison with an unsharded single-process step."""
+"""torchrun --nproc-per-node N: one RL update with FSDP2 on the gloo trainer group; rank 0
+saves the updated full weights (policy, and PPO's critic) and the stats to $OUT, for comparison
+with an unsharded or differently sharded run.
+
+Env: OUT (output file), EXTRA (space-separated recipe overrides), MODEL_DIR (a HF directory of
+the tiny model, needed for PPO's critic and a reference model)."""
 
 import os
 import sys
@@ -15,22 +19,39 @@ from llamarl.buffer.record import split_groups  # noqa: E402
 from llamarl.config import load_config  # noqa: E402
 from llamarl.parallel.fsdp import apply_fsdp  # noqa: E402
 from llamarl.tiny.model import build_model  # noqa: E402
-from llamarl.trainer.loop import policy_step  # noqa: E402
+from llamarl.trainer.critic import build_critic  # noqa: E402
+from llamarl.trainer.loop import load_reference  # noqa: E402
+from llamarl.trainer.rl_step import policy_step  # noqa: E402
 from llamarl.trainer.step import PolicyTrainer  # noqa: E402
 
 CFG = ["trainer.micro_batch_size=3", "trainer.lr=1e-2", "trainer.ranks=2"]
+
+
+def full(model):
+    return {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
+
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    cfg = load_config(None, CFG)
+    cfg = load_config(None, CFG + os.environ.get("EXTRA", "").split())
+    mesh = init_device_mesh("cpu", (world,))
     model, tok = build_model(seed=0)
-    apply_fsdp(model, init_device_mesh("cpu", (world,)), torch.float32)
-    trainer = PolicyTrainer(model, cfg.trainer, 1, world, torch.device("cpu"))
+    apply_fsdp(model, mesh, torch.float32)
+    cpu = torch.device("cpu")
+    steps = cfg.algorithm.epochs * cfg.algorithm.mini_batches
+    trainer = PolicyTrainer(model, cfg.trainer, steps, world, cpu)
+    path = os.environ.get("MODEL_DIR", "")
+    critic = build_critic(cfg, path, mesh, cpu, steps, world) if cfg.algorithm.name == "ppo" \
+        else None
+    reference = load_reference(cfg, path, mesh, cpu)
     batch = split_groups(make_batch(4, 4, seed=5), world)[rank]
-    stats = policy_step(trainer, batch, cfg, tok.pad_token_id)
-    state = {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
+    stats = policy_step(trainer, batch, cfg, tok.pad_token_id, reference=reference,
+                        critic=critic)
+    out = {"state": full(model), "stats": stats}
+    if critic is not None:
+        out["critic"] = full(critic.model)
     if rank == 0:
-        torch.save({"state": state, "stats": stats}, os.environ["OUT"])
+        torch.save(out, os.environ["OUT"])
     dist.destroy_process_group()

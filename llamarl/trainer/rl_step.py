@@ -1,0 +1,274 @@
+"""One RL update on this trainer rank's share of a rollout batch.
+
+    1. advantages
+       outcome estimators (grpo, dr_grpo, rloo, reinforce_pp*): A_i per sequence
+           (algorithms/advantages.py), the same for every token of sample i;
+           with a KL reward penalty (algorithm.kl_mode = reward):
+               A_it = A_i - beta * sum_{s>=t} KL_s
+       ppo: per-token rewards (outcome at the last token, -beta * KL_t on every token), the
+           critic's values V_old, GAE -> A_t and returns R_t, A whitened over the global batch
+           (algorithms/gae.py)
+    2. for each of algorithm.epochs passes, cut the batch into algorithm.mini_batches parts;
+       for each part one optimizer step of the policy (policy_loss, + beta * KL in loss mode,
+       - entropy bonus) and, for PPO, one of the critic (clipped value loss)
+
+FSDP2 makes every forward a collective, so every trainer rank runs the same number of
+micro-batches in every phase; a rank with fewer sequences (stale samples dropped, an uneven
+mini-batch cut) runs masked filler micro-batches that contribute nothing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from llamarl.algorithms.advantages import compute_advantages
+from llamarl.algorithms.gae import gae, masked_whiten, reward_to_go, token_rewards, value_loss
+from llamarl.algorithms.kl import kl_estimate
+from llamarl.algorithms.policy_loss import aggregate, policy_loss
+from llamarl.buffer.record import RolloutBatch
+from llamarl.trainer import critic as critic_mod
+from llamarl.trainer.policy import TokenBatch, collate, token_logprobs
+from llamarl.trainer.step import PolicyTrainer
+
+Seq = tuple[list[int], list[int], list[float]]
+
+
+def policy_step(trainer: PolicyTrainer, batch: RolloutBatch | None, cfg, pad_id: int,
+                version: int = 0, filler: RolloutBatch | None = None,
+                reference: torch.nn.Module | None = None,
+                critic: PolicyTrainer | None = None) -> dict:
+    """The whole update for one rollout batch (see the module docstring). `filler` holds the
+    samples dropped as stale (counted, and used only as masked filler). Returns stats summed
+    over the trainer ranks."""
+    alg, mb = cfg.algorithm, cfg.trainer.micro_batch_size
+    n = len(batch) if batch is not None else 0
+    source = batch if batch is not None else filler
+    seqs: list[Seq] = batch.sequences() if n else []
+    totals = _global_counts(batch, n, version, filler)
+
+    # 1. per-sequence token tensors: advantages, and for PPO returns and old values
+    rewards = batch.rewards.float() if n else torch.zeros(0)
+    per_seq: dict[str, list[torch.Tensor]] = {"adv": [], "ret": [], "v_old": []}
+    kl_reward = reference is not None and alg.kl_mode == "reward"
+    kl_sum = torch.zeros(())
+    if alg.name != "ppo":
+        adv_seq = compute_advantages(
+            alg.name, rewards, batch.group_ids if n else torch.zeros(0, dtype=torch.long),
+            batch.completion_lens if n else torch.zeros(0), alg.adv_eps, _all_reduce_sum)
+    if alg.name == "ppo" or kl_reward:
+        prep = _prepare(trainer, seqs, source, pad_id, mb, reference if kl_reward else None,
+                        critic, alg.kl_estimator)
+        for j, (m, kl, v) in enumerate(prep):
+            r = rewards[j:j + 1]
+            if kl is not None:
+                kl_sum = kl_sum + (kl * m).sum()
+            if alg.name == "ppo":
+                adv, ret = gae(token_rewards(r, m, kl, alg.kl_coef), v, m, alg.gamma, alg.lam)
+                keep = m[0] > 0
+                per_seq["adv"].append(adv[0, keep])
+                per_seq["ret"].append(ret[0, keep])
+                per_seq["v_old"].append(v[0, keep])
+            else:
+                keep = m[0] > 0
+                a = adv_seq[j] - alg.kl_coef * reward_to_go(kl, m)[0, keep]
+                per_seq["adv"].append(a)
+        if alg.name == "ppo" and alg.whiten_advantages:
+            flat = torch.cat(per_seq["adv"]) if per_seq["adv"] else torch.zeros(0)
+            flat = masked_whiten(flat, torch.ones_like(flat), 1e-8, _all_reduce_sum)
+            per_seq["adv"] = list(flat.split([len(a) for a in per_seq["adv"]]))
+    else:
+        per_seq["adv"] = [adv_seq[j].expand(len(seqs[j][1])) for j in range(n)]
+
+    # 2. epochs x mini-batches of optimizer steps
+    step_stats, critic_stats = [], []
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    E, M = alg.epochs, alg.mini_batches
+    for epoch in range(E):
+        order = list(range(n))
+        if E > 1 or M > 1:  # a fresh cut every pass, reproducible from (seed, version, pass)
+            g = torch.Generator().manual_seed(((cfg.run.seed * 1_000_003 + version) * 101 + epoch)
+                                                  * 4099 + rank)
+            order = torch.randperm(n, generator=g).tolist()
+        for part in range(M):
+            idx = order[part * n // M:(part + 1) * n // M]
+            chunks, norm, tok_norm = _mini_batch(idx, seqs, per_seq, source, pad_id, mb, cfg)
+            step_stats.append(trainer.step([c[0] for c in chunks],
+                                           _policy_loss_fn(chunks, alg, norm, reference,
+                                                           trainer.temperature)))
+            if critic is not None:
+                critic_stats.append(critic.step([c[0] for c in chunks],
+                                                _value_loss_fn(chunks, cfg, tok_norm)))
+    stats = _combine(step_stats, E)
+    if critic is not None:
+        c = _combine(critic_stats, E)
+        stats.update(value_loss=c["loss"], critic_grad_norm=c["grad_norm"],
+                     value_clipped=c["value_clipped"], value_sum=c["value_sum"],
+                     value_err_sum=c["value_err_sum"])
+    if kl_reward:
+        stats["kl_ref"] = float(_all_reduce_sum(kl_sum))
+    stats.update(totals)
+    return stats
+
+
+def _global_counts(batch, n: int, version: int, filler) -> dict:
+    """Token, sequence, reward and staleness totals over every trainer rank."""
+    stale = (version - batch.policy_version) if n else torch.zeros(1)
+    local = torch.tensor([float(batch.completion_lens.sum()) if n else 0.0, float(n),
+                          float(batch.rewards.sum()) if n else 0.0,
+                          float(batch.finished.sum()) if n else 0.0,
+                          float(stale.sum()) if n else 0.0,
+                          float(len(filler)) if filler is not None else 0.0,
+                          float(batch.prompt_lens.sum() + batch.completion_lens.sum())
+                          if n else 0.0])
+    top = torch.tensor([float(stale.max()) if n else 0.0])
+    if dist.is_initialized():
+        dist.all_reduce(local)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    keys = ("n_tokens", "n_seqs", "reward_sum", "finished", "staleness_sum", "dropped",
+            "n_tokens_all")
+    return dict(zip(keys, local.tolist()), staleness_max=float(top))
+
+
+def _micro_count(n_local: int, mb: int) -> int:
+    """The most micro-batches any rank needs for its share (every rank runs that many)."""
+    count = torch.tensor([float(math.ceil(n_local / mb))])
+    if dist.is_initialized():
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count)
+
+
+def _prepare(trainer: PolicyTrainer, seqs: list[Seq], source: RolloutBatch, pad_id: int,
+             mb: int, reference, critic: PolicyTrainer | None, estimator: str):
+    """No-grad forwards over the batch: per sequence (mask [1, T-1], KL to the reference
+    [1, T-1] or None, old values [1, T-1] or None)."""
+    out = []
+    n_micro = _micro_count(len(seqs), mb)
+    with torch.no_grad():
+        for k in range(n_micro):
+            part = seqs[k * mb:(k + 1) * mb]
+            tb = collate(part, pad_id) if part else _filler_chunk(source, pad_id)[0]
+            dev = trainer.device
+            tbd = tb.to(dev)
+            kl = v = None
+            if reference is not None:
+                ref_logp, _ = token_logprobs(reference, tbd, trainer.temperature)
+                # behaviour logprobs stand in for the current policy's (on-policy: equal up to
+                # the engine/trainer mismatch), which saves one policy forward
+                kl = kl_estimate(tbd.old_logp, ref_logp, estimator).cpu()
+            if critic is not None:
+                critic.model.eval()
+                v = critic_mod.values(critic.model, tbd).cpu()
+            for j in range(len(part)):
+                out.append((tb.mask[j:j + 1], None if kl is None else kl[j:j + 1],
+                            None if v is None else v[j:j + 1]))
+    return out
+
+
+def _mini_batch(idx: list[int], seqs: list[Seq], per_seq: dict, source: RolloutBatch,
+                pad_id: int, mb: int, cfg):
+    """Micro-batches of the sequences `idx` with their token tensors laid out like the loss
+    mask, padded with filler to the global micro-batch count; and the mini-batch's global
+    loss normaliser (algorithm.loss_agg) and completion-token count."""
+    local = torch.tensor([float(sum(len(seqs[i][1]) for i in idx)), float(len(idx))])
+    if dist.is_initialized():
+        dist.all_reduce(local)
+    n_tokens, n_seqs = max(float(local[0]), 1.0), max(float(local[1]), 1.0)
+    norm = {"token_mean": n_tokens, "seq_mean_token_mean": n_seqs,
+            # Dr. GRPO: a constant, N_seqs x the longest allowed response
+            "seq_sum_constant": n_seqs * cfg.generator.max_new_tokens}[cfg.algorithm.loss_agg]
+    n_micro = _micro_count(len(idx), mb)
+    chunks = []
+    for k in range(n_micro):
+        part = idx[k * mb:(k + 1) * mb]
+        if not part:
+            chunks.append(_filler_chunk(source, pad_id))
+            continue
+        tb = collate([seqs[i] for i in part], pad_id)
+        extras = {}
+        for name, values in per_seq.items():
+            if values:
+                extras[name] = _lay_out([values[i] for i in part], tb.mask)
+        chunks.append((tb, extras))
+    return chunks, norm, n_tokens
+
+
+def _lay_out(per_seq: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+    """Per-sequence completion-token vectors -> [B, T-1] on the mask's positions, 0 elsewhere."""
+    out = torch.zeros_like(mask)
+    for j, v in enumerate(per_seq):
+        out[j, mask[j] > 0] = v.to(out.dtype)
+    return out
+
+
+def _policy_loss_fn(chunks, alg, norm: float, reference, temperature: float):
+    def loss_fn(logp, mbatch: TokenBatch, i: int, entropy):
+        adv = chunks[i][1].get("adv")
+        adv = adv.to(logp.device) if adv is not None else torch.zeros_like(logp)
+        loss, stats = policy_loss(logp, mbatch.old_logp, adv, mbatch.mask, alg, norm)
+        if reference is not None and alg.kl_mode == "loss":  # L += beta * KL(pi || pi_ref)
+            with torch.no_grad():
+                ref_logp, _ = token_logprobs(reference, mbatch, temperature)
+            kl = kl_estimate(logp, ref_logp, alg.kl_estimator)
+            loss = loss + alg.kl_coef * aggregate(kl, mbatch.mask, alg.loss_agg, norm)
+            stats["kl_ref"] = (kl.detach() * mbatch.mask).sum()
+        if alg.entropy_coef > 0:  # L -= c * H: keeps the policy from collapsing early
+            loss = loss - alg.entropy_coef * aggregate(entropy, mbatch.mask, alg.loss_agg, norm)
+        return loss, stats
+    return loss_fn
+
+
+def _value_loss_fn(chunks, cfg, tok_norm: float):
+    def loss_fn(v, mbatch: TokenBatch, i: int, _entropy):
+        ex = chunks[i][1]
+        zeros = torch.zeros_like(v)
+        v_old = ex["v_old"].to(v.device) if "v_old" in ex else zeros
+        ret = ex["ret"].to(v.device) if "ret" in ex else zeros
+        per_token, clipped = value_loss(v, v_old, ret, cfg.critic.value_clip)
+        loss = aggregate(per_token, mbatch.mask, "token_mean", tok_norm)
+        m = mbatch.mask
+        with torch.no_grad():
+            stats = {"value_clipped": (clipped.float() * m).sum(),
+                     "value_sum": (v.detach() * m).sum(),
+                     "value_err_sum": ((v.detach() - ret) ** 2 * m).sum()}
+        return loss, stats
+    return loss_fn
+
+
+def _combine(steps: list[dict], passes: int) -> dict:
+    """Stats of the E x M optimizer steps of one update: loss and grad norm averaged over the
+    steps, max/min keys by max/min, token sums averaged over the passes."""
+    out: dict = {}
+    for k in steps[0]:
+        vals = [s[k] for s in steps if k in s]
+        if k in ("loss", "grad_norm"):
+            out[k] = sum(vals) / len(vals)
+        elif k in ("lr", "skipped_total"):
+            out[k] = vals[-1]
+        elif k.endswith("_max"):
+            out[k] = max(vals)
+        elif k.endswith("_min"):
+            out[k] = min(vals)
+        else:
+            out[k] = sum(vals) / passes
+    if any("skipped" in s for s in steps):
+        out["skipped"] = 1.0
+    return out
+
+
+def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over the trainer ranks (global-batch statistics of an estimator)."""
+    if dist.is_initialized():
+        t = t.clone()
+        dist.all_reduce(t)
+    return t
+
+
+def _filler_chunk(source: RolloutBatch, pad_id: int):
+    """One sequence of `source` with its loss mask zeroed, and no token tensors."""
+    p, c, lp = source.sequences()[0]
+    tb = collate([(p, c, lp)], pad_id)
+    tb.mask.zero_()
+    return tb, {}
