@@ -26,7 +26,6 @@ def load_critic(path: str, dtype: str) -> torch.nn.Module:
     that the checkpoint does not have starts at zero, so the first values are 0 and the first
     advantages are the plain (KL-shaped) returns rather than noise from a random head."""
     from transformers import AutoConfig, AutoModelForTokenClassification
-
     from transformers.utils import logging as hf_logging
 
     config = AutoConfig.from_pretrained(path, num_labels=1)
