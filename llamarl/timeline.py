@@ -12,6 +12,7 @@ synchronised clocks, across hosts. `python -m llamarl.plot RUN_DIR` draws them.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -43,5 +44,19 @@ class Timeline:
 def read(run_dir: Path) -> list[dict]:
     rows = []
     for path in sorted((Path(run_dir) / "timeline").glob("rank*.jsonl")):
-        rows += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        rows += read_jsonl(path)
+    return rows
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The rows of a JSON-lines log; a line that a killed process left half-written is
+    skipped with a note (the rest of the run is still worth reading)."""
+    rows = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            print(f"llamarl: skipped the broken line {n} of {path}", file=sys.stderr)
     return rows

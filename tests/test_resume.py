@@ -1,11 +1,15 @@
-"""Checkpoint and resume: 6 steps straight == 3 steps + resume + 3 steps (on-policy)."""
+"""Checkpoint and resume: 6 steps straight == 3 steps + resume + 3 steps (on-policy), and a
+rank SIGKILLed in the middle of a real checkpoint write."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -76,3 +80,61 @@ def test_export_any_checkpoint_as_hf_directory(tmp_path, cache_dir):
     final = AutoModelForCausalLM.from_pretrained(run / "policy")  # same weights: step 3
     for (n, p), (_, q) in zip(exported.named_parameters(), final.named_parameters()):
         assert torch.equal(p, q), n
+
+
+def test_kill_during_checkpoint_write_resumes_from_the_last_complete_one(tmp_path, cache_dir):
+    """SIGKILL trainer 0 while it holds step 2's checkpoint open (shards on disk, no meta.json,
+    still `.partial`): every rank stops, nothing is left behind, and `run.resume=auto` continues
+    from step 1, the newest complete checkpoint."""
+    from llamarl.trainer.checkpoint import TEST_PAUSE_ENV
+
+    out = tmp_path / "runs"
+    every_step = ["run.checkpoint_every=1", "run.steps=4"]  # later keys win over COMMON's
+    log = tmp_path / "killed.log"  # a file, not a pipe: a full pipe would stall the ranks
+    cmd = [sys.executable, "-m", "llamarl.launch", RECIPE, f"run.output_dir={out}", *COMMON,
+           *every_step]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                env=child_env(LLAMARL_CACHE=cache_dir, **{TEST_PAUSE_ENV: 8}),
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            partial = next(out.glob("*/checkpoints/step_00000002.partial"), None)
+            if partial is not None and (partial / ".metadata").exists():
+                break  # every shard is written; trainer 0 now sleeps before the commit
+            assert proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.05)
+        else:
+            pytest.fail("the run never started writing the step-2 checkpoint")
+        run = partial.parent.parent
+        ranks = [json.loads(x) for x in (run / "ranks.jsonl").read_text().splitlines()]
+        victim = next(r for r in ranks if r["role"] == "trainer 0")
+        os.kill(victim["pid"], signal.SIGKILL)
+        t_kill = time.monotonic()
+        assert not (partial / "meta.json").exists(), "killed after the commit point"
+        proc.wait(timeout=90)
+        elapsed = time.monotonic() - t_kill
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    print(f"kill during checkpoint write: every rank gone {elapsed:.1f} s after SIGKILL")
+    assert proc.returncode != 0
+    assert elapsed < 60, f"took {elapsed:.1f} s to stop"
+    assert f"rank {victim['rank']} (trainer 0) died" in text, text[-3000:]
+    for r in ranks:
+        stat = Path(f"/proc/{r['pid']}/stat")
+        assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z", r
+    assert not list(Path("/dev/shm").glob(f"llamarl_{run.name.split('-', 2)[-1]}*"))
+    ckpts = run / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000001",
+                                                       "step_00000002.partial"]
+
+    proc = launch(out, cache_dir, *every_step, "run.resume=auto")
+    assert f"removed the half-written checkpoint {ckpts / 'step_00000002.partial'}" in proc.stderr
+    assert f"resumed from {ckpts / 'step_00000001'} at step 1" in proc.stderr, proc.stderr[-3000:]
+    assert only_run(out) == run
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # step 2 died before its row was written
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000003", "step_00000004"]

@@ -135,12 +135,16 @@ def setup(cfg: Config, layout: Layout, env: DistEnv) -> Runtime:
 def _resume_point(cfg: Config) -> Path | None:
     if not cfg.run.resume:
         return None
-    from llamarl.trainer.checkpoint import find_resume
+    from llamarl.trainer.checkpoint import find_resume, remove_partials
 
     found = find_resume(cfg.run.resume, Path(cfg.run.output_dir).resolve(), cfg.run.name)
     if found is None:
         print(f"llamarl: run.resume=auto found no complete checkpoint of '{cfg.run.name}' under "
               f"{cfg.run.output_dir}: starting a new run", file=sys.stderr, flush=True)
+        return None
+    for partial in remove_partials(found.parent.parent):  # the run we continue in
+        print(f"llamarl: removed the half-written checkpoint {partial} (a crash left it)",
+              file=sys.stderr, flush=True)
     return found
 
 

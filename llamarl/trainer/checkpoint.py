@@ -13,7 +13,13 @@ Layout, under RUN_DIR/checkpoints/:
 Atomicity: every rank writes into `step_N.partial/`; after a barrier trainer 0 writes
 meta.json last and renames the directory to `step_N/` (one rename on one filesystem), then
 removes checkpoints beyond the newest `keep`. A kill at any point leaves the previous complete
-checkpoint as the newest one.
+checkpoint as the newest one. A resumed run removes the `.partial` directories it finds
+(`remove_partials`); so does every later save.
+
+Test hook: LLAMARL_TEST_CHECKPOINT_PAUSE_S=SECONDS makes trainer 0 sleep that long inside every
+save, after all shards are on disk and before meta.json and the rename, so that
+tests/test_resume.py can SIGKILL a rank while a real checkpoint write is open. Never set it in
+real runs.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -29,6 +36,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 PARTIAL = ".partial"
+TEST_PAUSE_ENV = "LLAMARL_TEST_CHECKPOINT_PAUSE_S"
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -78,6 +86,7 @@ def save(run_dir: Path, step: int, model, optimizer, scheduler, meta: dict, keep
     torch.save(torch.get_rng_state(), tmp / f"rng_rank{rank}.pt")
     dist.barrier()  # every rank's shards are on disk
     if rank == 0:
+        time.sleep(float(os.environ.get(TEST_PAUSE_ENV) or 0))  # test hook, see the docstring
         full_meta = dict(meta, step=step, scheduler=scheduler.state_dict())
         if critic is not None:
             full_meta["critic_scheduler"] = critic.sched.state_dict()
@@ -118,10 +127,18 @@ def load(path: Path, model, optimizer, scheduler, critic=None) -> dict:
     return meta
 
 
+def remove_partials(run_dir: Path) -> list[Path]:
+    """Delete the half-written checkpoints a crash left in a run directory; returns them.
+    Only safe while no save is running in that directory (at resume, or inside `save`)."""
+    partials = sorted(checkpoint_dir(run_dir).glob(f"step_*{PARTIAL}"))
+    for partial in partials:
+        shutil.rmtree(partial, ignore_errors=True)
+    return partials
+
+
 def _prune(root: Path, keep: int) -> None:
     complete = sorted((p for p in root.glob("step_*") if not p.name.endswith(PARTIAL)),
                       key=lambda p: int(p.name.split("_")[1]))
     for old in complete[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
-    for partial in root.glob(f"step_*{PARTIAL}"):  # left by a crash
-        shutil.rmtree(partial, ignore_errors=True)
+    remove_partials(root.parent)  # left by a crash

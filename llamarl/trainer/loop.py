@@ -127,7 +127,8 @@ def run_trainer(rt: Runtime) -> None:
     channels = [open_channel(rt, e, r, "consumer") for e in range(rt.layout.engines)]
     log(rt, "rollout channels: " + ", ".join(f"{ch.channel} over {ch.transport}"
                                              for ch in channels))
-    metrics = MetricsLog(rt.run_dir / "metrics.jsonl") if r == 0 else None
+    metrics = (MetricsLog(rt.run_dir / "metrics.jsonl", kl_ref=reference is not None)
+               if r == 0 else None)
     log(rt, f"policy {model_path} sharded over {T} trainer rank(s); "
             f"sends {sender.bytes_per_sync / 2**20:.2f} MiB of shards per weight sync in "
             f"{len(sender.buckets)} bucket(s)")

@@ -4,13 +4,16 @@ installed (RUN_DIR/tensorboard), and the one-line progress report."""
 from __future__ import annotations
 
 import json
+from numbers import Real
 from pathlib import Path
 
 
 class MetricsLog:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, kl_ref: bool = False):
+        """`kl_ref`: a reference policy is in the loss, so the progress line shows its KL."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.kl_ref = kl_ref
         self._f = open(self.path, "a", buffering=1)  # line-buffered: readable while running
         self._tb = None
         try:
@@ -22,22 +25,37 @@ class MetricsLog:
     def write(self, row: dict) -> None:
         self._f.write(json.dumps(row) + "\n")
         if self._tb is not None:
-            for key, value in row.items():
-                if isinstance(value, (int, float)) and key != "step":
-                    self._tb.add_scalar(key, value, row["step"])
+            for tag, value in scalars(row).items():
+                self._tb.add_scalar(tag, value, row["step"])
             self._tb.flush()
 
-    @staticmethod
-    def line(row: dict, total_steps: int) -> str:
+    def line(self, row: dict, total_steps: int) -> str:
+        """One compact line: learning signal | where the step's time went | throughput."""
         tok_s = row["tokens_generated"] / max(row["generate_s"], 1e-9)
+        kl_ref = f"kl_ref {row['kl_ref']:.1e} " if self.kl_ref else ""
         return (f"step {row['step']}/{total_steps} reward {row['reward_mean']:.3f} "
-                f"len {row['response_len']:.1f} ent {row['entropy']:.2f} "
+                f"len {row['response_len']:.1f} ent {row['entropy']:.2f} {kl_ref}"
                 f"kl_mis {row['mismatch_kl']:.1e} clip {row['clip_frac']:.3f} "
                 f"stale {row['staleness_mean']:.1f} | step {row['step_time_s']:.2f}s = "
-                f"wait {row['wait_s']:.2f} train {row['train_s']:.2f} sync {row['sync_s']:.3f}"
+                f"wait {row['wait_s']:.2f} xfer {row['transfer_s']:.3f} "
+                f"train {row['train_s']:.2f} sync {row['sync_s']:.3f}"
                 f" | gen {tok_s:.0f} tok/s, train {row['train_tokens_per_s']:.0f} tok/s")
 
     def close(self) -> None:
         self._f.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def scalars(row: dict) -> dict[str, float]:
+    """The TensorBoard scalars of a metrics row: its numbers (bools as 0/1; NaN stays NaN, a
+    diverged loss should show) and, for a dict of numbers, one tag per entry
+    (`behaviour_version_by_engine/0`). Strings, lists, None and the step itself (the x axis)
+    are left out."""
+    out = {}
+    for key, value in row.items():
+        items = value.items() if isinstance(value, dict) else [(None, value)]
+        for sub, v in items:
+            if key != "step" and isinstance(v, Real):
+                out[key if sub is None else f"{key}/{sub}"] = float(v)
+    return out
