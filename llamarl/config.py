@@ -25,7 +25,7 @@ class RunConfig:
     steps: int = 10  # trainer optimizer steps (one rollout batch each)
     eval_every: int = 0  # 0: evaluate only before and after training
     log_every: int = 1
-    checkpoint_every: int = 0  # trainer steps between sharded checkpoints; 0 = only none
+    checkpoint_every: int = 0  # trainer steps between sharded checkpoints; 0 = none
     keep_checkpoints: int = 2  # newest complete checkpoints kept
     resume: str = ""  # "" = new run; "auto" = newest checkpoint of runs named run.name; or a path
 

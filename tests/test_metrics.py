@@ -74,3 +74,16 @@ def test_without_tensorboard_only_metrics_jsonl_is_written(tmp_path, monkeypatch
     log.close()
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["step"] == 1
     assert not (tmp_path / "tensorboard").exists()
+
+
+def test_resume_truncates_rows_after_the_checkpoint(tmp_path):
+    from llamarl.trainer.metrics import truncate_after
+
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3, 4)) + '{"step": 5, "rew')
+    (tmp_path / "eval.jsonl").write_text(
+        "".join(json.dumps({"step": s}) + "\n" for s in (0, 2, 4)))
+    assert truncate_after(tmp_path, 2) == 4  # steps 3, 4, the torn line, eval step 4
+    rows = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    evals = [json.loads(x)["step"] for x in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert rows == [1, 2] and evals == [0, 2]

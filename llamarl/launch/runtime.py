@@ -145,6 +145,13 @@ def _resume_point(cfg: Config) -> Path | None:
     for partial in remove_partials(found.parent.parent):  # the run we continue in
         print(f"llamarl: removed the half-written checkpoint {partial} (a crash left it)",
               file=sys.stderr, flush=True)
+    from llamarl.trainer.metrics import truncate_after
+
+    step = json.loads((found / "meta.json").read_text())["step"]
+    dropped = truncate_after(found.parent.parent, step)
+    if dropped:
+        print(f"llamarl: dropped {dropped} metrics/eval row(s) after step {step} from the "
+              "crashed launch (they are produced again)", file=sys.stderr, flush=True)
     return found
 
 

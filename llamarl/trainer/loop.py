@@ -127,8 +127,8 @@ def run_trainer(rt: Runtime) -> None:
     channels = [open_channel(rt, e, r, "consumer") for e in range(rt.layout.engines)]
     log(rt, "rollout channels: " + ", ".join(f"{ch.channel} over {ch.transport}"
                                              for ch in channels))
-    metrics = (MetricsLog(rt.run_dir / "metrics.jsonl", kl_ref=reference is not None)
-               if r == 0 else None)
+    metrics = (MetricsLog(rt.run_dir / "metrics.jsonl", kl_ref=reference is not None,
+                          resumed_at=rt.resume.get("step")) if r == 0 else None)
     log(rt, f"policy {model_path} sharded over {T} trainer rank(s); "
             f"sends {sender.bytes_per_sync / 2**20:.2f} MiB of shards per weight sync in "
             f"{len(sender.buckets)} bucket(s)")
@@ -173,12 +173,14 @@ def run_trainer(rt: Runtime) -> None:
                 sender.publish(model, version)  # pack now, broadcast in the background
         sync_s = time.perf_counter() - t0
         every = cfg.run.checkpoint_every
+        t0 = time.perf_counter()
         if every and (version % every == 0 or last):
             with timeline.phase("checkpoint", step):
                 checkpoint.save(rt.run_dir, version, model, trainer.opt, trainer.sched, keep=
                                 cfg.run.keep_checkpoints, critic=critic, meta={
                                     "policy_version": version, "model_path": model_path,
                                     "prompts_consumed_per_engine": version * per_engine})
+        checkpoint_s = time.perf_counter() - t0
 
         info = [p.info for p in parts]
         by_engine = {int(p.generator[0]): int(p.policy_version.min()) for p in parts if len(p)}
@@ -205,6 +207,7 @@ def run_trainer(rt: Runtime) -> None:
             "generate_s": max(i["generate_s"] for i in info),
             "reward_s": max(i["reward_s"] for i in info),
             "wait_s": wait_s, "transfer_s": transfer_s, "train_s": train_s, "sync_s": sync_s,
+            "checkpoint_s": checkpoint_s,
             "train_tokens_per_s": stats["n_tokens_all"] / max(train_s, 1e-9),
             # buffer cost: this rank's reads + the producers' writes (of the previous batch)
             "buffer_s": transfer_s + sum(i.get("prev_put_s", 0.0) for i in info),

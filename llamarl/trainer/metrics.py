@@ -8,9 +8,34 @@ from numbers import Real
 from pathlib import Path
 
 
+def truncate_after(run_dir: Path, step: int) -> int:
+    """Resuming at `step`: drop the rows of metrics.jsonl and eval.jsonl beyond it (they are
+    about to be produced again), so each step appears once. Returns the rows dropped."""
+    dropped = 0
+    for name in ("metrics.jsonl", "eval.jsonl"):
+        path = Path(run_dir) / name
+        if not path.is_file():
+            continue
+        keep = []
+        for line in path.read_text().splitlines():
+            try:
+                row_step = json.loads(line)["step"]
+            except (ValueError, KeyError, TypeError):  # a line torn by the crash
+                dropped += 1
+                continue
+            if row_step <= step:
+                keep.append(line)
+            else:
+                dropped += 1
+        path.write_text("".join(x + "\n" for x in keep))
+    return dropped
+
+
 class MetricsLog:
-    def __init__(self, path: Path, kl_ref: bool = False):
-        """`kl_ref`: a reference policy is in the loss, so the progress line shows its KL."""
+    def __init__(self, path: Path, kl_ref: bool = False, resumed_at: int | None = None):
+        """`kl_ref`: a reference policy is in the loss, so the progress line shows its KL.
+        `resumed_at`: the step a resumed run continues from; TensorBoard purges later events
+        left by the crashed launch."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.kl_ref = kl_ref
@@ -18,7 +43,8 @@ class MetricsLog:
         self._tb = None
         try:
             from torch.utils.tensorboard import SummaryWriter
-            self._tb = SummaryWriter(str(self.path.parent / "tensorboard"))
+            purge = resumed_at + 1 if resumed_at is not None else None
+            self._tb = SummaryWriter(str(self.path.parent / "tensorboard"), purge_step=purge)
         except ImportError:  # tensorboard is optional
             pass
 
@@ -33,12 +59,15 @@ class MetricsLog:
         """One compact line: learning signal | where the step's time went | throughput."""
         tok_s = row["tokens_generated"] / max(row["generate_s"], 1e-9)
         kl_ref = f"kl_ref {row['kl_ref']:.1e} " if self.kl_ref else ""
+        if "value_loss" in row:  # PPO's critic
+            kl_ref += f"vloss {row['value_loss']:.3f} "
         return (f"step {row['step']}/{total_steps} reward {row['reward_mean']:.3f} "
                 f"len {row['response_len']:.1f} ent {row['entropy']:.2f} {kl_ref}"
                 f"kl_mis {row['mismatch_kl']:.1e} clip {row['clip_frac']:.3f} "
                 f"stale {row['staleness_mean']:.1f} | step {row['step_time_s']:.2f}s = "
                 f"wait {row['wait_s']:.2f} xfer {row['transfer_s']:.3f} "
                 f"train {row['train_s']:.2f} sync {row['sync_s']:.3f}"
+                + (f" ckpt {row['checkpoint_s']:.2f}" if row.get("checkpoint_s") else "") +
                 f" | gen {tok_s:.0f} tok/s, train {row['train_tokens_per_s']:.0f} tok/s")
 
     def close(self) -> None:
