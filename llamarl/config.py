@@ -57,6 +57,9 @@ class TrainerConfig:
     lr_schedule: str = "constant"  # constant | cosine
     threads: int = 0  # torch intra-op threads per trainer rank on CPU; 0 = cores / local ranks
     max_bad_steps: int = 3  # consecutive steps with a NaN/inf loss or gradient before stopping
+    # Recompute each decoder block's activations in backward (policy and critic): less memory
+    # for long sequences and big models, about a third more compute.
+    gradient_checkpointing: bool = False
 
 
 @dataclass

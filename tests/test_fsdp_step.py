@@ -55,3 +55,15 @@ def test_ppo_update_is_the_same_on_one_and_two_ranks(tmp_path, tiny_model_dir):
     assert one["stats"]["value_loss"] > 0 and one["stats"]["kl_ref"] != 0
     head = one["critic"]["score.weight"]
     assert head.abs().max() > 0, "the critic's value head (zero at start) must have learned"
+
+
+def test_gradient_checkpointing_takes_the_same_step(tmp_path, tiny_model_dir):
+    plain = launch(1, tmp_path / "plain.pt", MODEL_DIR=tiny_model_dir,
+                   EXTRA="algorithm.name=ppo")
+    ckpt = launch(1, tmp_path / "ckpt.pt", MODEL_DIR=tiny_model_dir,
+                  EXTRA="algorithm.name=ppo trainer.gradient_checkpointing=true")
+    assert ckpt["checkpointing"] and not plain["checkpointing"]
+    assert ckpt["stats"]["loss"] == pytest.approx(plain["stats"]["loss"], abs=1e-6)
+    for part in ("state", "critic"):
+        for name, ref in plain[part].items():
+            assert torch.allclose(ckpt[part][name], ref, atol=1e-5), (part, name)

@@ -19,8 +19,13 @@ def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype,
-               reduce_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """Shard `model` in place over `mesh` (1-D, the trainer data-parallel ranks)."""
+               reduce_dtype: torch.dtype = torch.float32,
+               gradient_checkpointing: bool = False) -> torch.nn.Module:
+    """Shard `model` in place over `mesh` (1-D, the trainer data-parallel ranks); with
+    `gradient_checkpointing`, each block's activations are recomputed in backward (HF's
+    non-reentrant checkpointing, which composes with FSDP2's hooks)."""
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     blocks = decoder_blocks(model)
     for i, block in enumerate(blocks):

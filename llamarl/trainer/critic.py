@@ -12,6 +12,7 @@ with the policy's logprob of token t+1 and with the loss mask.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 
@@ -56,11 +57,16 @@ def _forward(model: torch.nn.Module, batch: TokenBatch):
     return values(model, batch), None
 
 
+# FSDP2 notes once that the root module returned a view; the values are only read out of place.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPQwen2ForTokenClass")
+
+
 def build_critic(cfg: Config, policy_path: str, mesh, device: torch.device,
                  total_optimizer_steps: int, dp_size: int) -> PolicyTrainer:
     """The critic's trainer (model + AdamW + schedule), sharded on the trainer mesh."""
     model = load_critic(cfg.critic.path or policy_path, cfg.model.dtype).to(device)
-    apply_fsdp(model, mesh, param_dtype=DTYPES[cfg.model.dtype])
+    apply_fsdp(model, mesh, param_dtype=DTYPES[cfg.model.dtype],
+               gradient_checkpointing=cfg.trainer.gradient_checkpointing)
     c = cfg.critic
     tcfg = dataclasses.replace(cfg.trainer, lr=c.lr, weight_decay=c.weight_decay,
                                warmup_steps=c.warmup_steps, grad_clip=c.grad_clip)

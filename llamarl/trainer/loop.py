@@ -115,7 +115,8 @@ def run_trainer(rt: Runtime) -> None:
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     check_tokenizer(tokenizer, model_path)
-    apply_fsdp(model, mesh, param_dtype=DTYPES[cfg.model.dtype])
+    apply_fsdp(model, mesh, param_dtype=DTYPES[cfg.model.dtype],
+               gradient_checkpointing=cfg.trainer.gradient_checkpointing)
     opt_steps = cfg.run.steps * cfg.algorithm.epochs * cfg.algorithm.mini_batches
     trainer = PolicyTrainer(model, cfg.trainer, opt_steps, T, rt.device,
                             cfg.generator.temperature, cfg.algorithm.entropy_coef > 0)

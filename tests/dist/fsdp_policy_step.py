@@ -3,7 +3,8 @@ saves the updated full weights (policy, and PPO's critic) and the stats to $OUT,
 with an unsharded or differently sharded run.
 
 Env: OUT (output file), EXTRA (space-separated recipe overrides), MODEL_DIR (a HF directory of
-the tiny model, needed for PPO's critic and a reference model)."""
+the tiny model, needed for PPO's critic and a reference model), DEVICE (cpu, the default, on
+gloo; or cuda: one GPU per rank on NCCL)."""
 
 import os
 import sys
@@ -28,28 +29,35 @@ CFG = ["trainer.micro_batch_size=3", "trainer.lr=1e-2", "trainer.ranks=2"]
 
 
 def full(model):
-    return {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.full_tensor().detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 if __name__ == "__main__":
-    dist.init_process_group("gloo")
+    kind = os.environ.get("DEVICE", "cpu")
+    if kind == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if kind == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     cfg = load_config(None, CFG + os.environ.get("EXTRA", "").split())
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(kind, (world,))
+    device = torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else \
+        torch.device("cpu")
     model, tok = build_model(seed=0)
-    apply_fsdp(model, mesh, torch.float32)
-    cpu = torch.device("cpu")
+    model.to(device)
+    apply_fsdp(model, mesh, torch.float32,
+               gradient_checkpointing=cfg.trainer.gradient_checkpointing)
     steps = cfg.algorithm.epochs * cfg.algorithm.mini_batches
-    trainer = PolicyTrainer(model, cfg.trainer, steps, world, cpu)
+    trainer = PolicyTrainer(model, cfg.trainer, steps, world, device)
     path = os.environ.get("MODEL_DIR", "")
-    critic = build_critic(cfg, path, mesh, cpu, steps, world) if cfg.algorithm.name == "ppo" \
+    critic = build_critic(cfg, path, mesh, device, steps, world) if cfg.algorithm.name == "ppo" \
         else None
-    reference = load_reference(cfg, path, mesh, cpu)
+    reference = load_reference(cfg, path, mesh, device)
     batch = split_groups(make_batch(4, 4, seed=5), world)[rank]
     stats = policy_step(trainer, batch, cfg, tok.pad_token_id, reference=reference,
                         critic=critic)
-    out = {"state": full(model), "stats": stats}
+    out = {"state": full(model), "stats": stats,
+           "checkpointing": bool(getattr(model, "is_gradient_checkpointing", False))}
     if critic is not None:
         out["critic"] = full(critic.model)
     if rank == 0:
