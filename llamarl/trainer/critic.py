@@ -58,7 +58,7 @@ def _forward(model: torch.nn.Module, batch: TokenBatch):
 
 
 # FSDP2 notes once that the root module returned a view; the values are only read out of place.
-warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPQwen2ForTokenClass")
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP\w+ForTokenClassification")
 
 
 def build_critic(cfg: Config, policy_path: str, mesh, device: torch.device,

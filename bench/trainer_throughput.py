@@ -1,0 +1,143 @@
+"""Trainer throughput of one RL update: GRPO (policy only) vs PPO (policy + critic + frozen
+reference with a KL reward penalty), side by side in one run, FSDP2 on every rank of the launch.
+
+Per algorithm: one warm-up update, then --repeats timed updates on the same synthetic rollout
+batch (random token ids: throughput does not depend on their values). Reports the median
+seconds per update, trained tokens/s (prompt + completion tokens of the batch / time) and the
+peak accelerator memory, and PPO's cost relative to GRPO.
+
+    torchrun --standalone --nproc-per-node 1 bench/trainer_throughput.py --model tiny
+    torchrun --standalone --nproc-per-node 8 bench/trainer_throughput.py --model 0.5b \
+        --seqs 256 --prompt-len 256 --completion-len 768 --micro-batch 8 --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+
+def build_model_dir(kind: str) -> str:
+    """A randomly initialised HF directory: the tiny model, or Qwen2.5-0.5B's architecture."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from llamarl.tiny.model import build_model, build_tokenizer, save_hf_dir
+
+    path = Path(tempfile.gettempdir()) / f"llamarl-bench-trainer-{kind}"
+    if (path / "config.json").exists():
+        return str(path)
+    if kind == "tiny":
+        model, tok = build_model(0)
+    else:
+        tok = build_tokenizer()
+        cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                          num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                          max_position_embeddings=4096, tie_word_embeddings=True,
+                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                          pad_token_id=tok.pad_token_id)
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(cfg)
+    save_hf_dir(path, model.state_dict(), model.config, tok)
+    return str(path)
+
+
+def synthetic_batch(args, vocab: int, rank: int):
+    from llamarl.buffer.record import RolloutBatch
+
+    g = torch.Generator().manual_seed(rank)
+    n = args.seqs // dist.get_world_size()
+    prompts = [torch.randint(3, vocab, (args.prompt_len,), generator=g).tolist()] * n
+    comps = [torch.randint(3, vocab, (args.completion_len,), generator=g).tolist()
+             for _ in range(n)]
+    lps = [(-torch.rand(args.completion_len, generator=g)).tolist() for _ in range(n)]
+    rewards = torch.rand(n, generator=g).tolist()
+    gids = [rank * 100_000 + i // 8 for i in range(n)]  # groups of 8
+    return RolloutBatch.from_lists(prompts, comps, lps, rewards, gids, [True] * n, 0, 0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", choices=["tiny", "0.5b"], default="tiny")
+    p.add_argument("--seqs", type=int, default=64, help="sequences per update, all ranks")
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--completion-len", type=int, default=16)
+    p.add_argument("--micro-batch", type=int, default=32)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--gradient-checkpointing", action="store_true")
+    args = p.parse_args()
+
+    from llamarl.config import load_config
+    from llamarl.parallel.fsdp import apply_fsdp
+    from llamarl.trainer.critic import build_critic
+    from llamarl.trainer.loop import load_reference
+    from llamarl.trainer.policy import DTYPES, load_policy
+    from llamarl.trainer.rl_step import policy_step
+    from llamarl.trainer.step import PolicyTrainer
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    mesh = init_device_mesh(device.type, (world,))
+    path = build_model_dir(args.model) if rank == 0 else None
+    dist.barrier()
+    path = path or build_model_dir(args.model)
+
+    results = {}
+    for alg in ("grpo", "ppo"):
+        extra = ["algorithm.name=ppo", "algorithm.kl_coef=0.01", "algorithm.kl_mode=reward",
+                 "algorithm.kl_estimator=k1"] if alg == "ppo" else []
+        cfg = load_config(None, [f"trainer.micro_batch_size={args.micro_batch}",
+                                 f"trainer.ranks={world}", f"model.dtype={args.dtype}",
+                                 f"trainer.gradient_checkpointing={args.gradient_checkpointing}",
+                                 *extra])
+        model = load_policy(path, args.dtype).to(device)
+        vocab = model.config.vocab_size
+        apply_fsdp(model, mesh, DTYPES[args.dtype],
+                   gradient_checkpointing=args.gradient_checkpointing)
+        trainer = PolicyTrainer(model, cfg.trainer, 100, world, device)
+        critic = build_critic(cfg, path, mesh, device, 100, world) if alg == "ppo" else None
+        reference = load_reference(cfg, path, mesh, device)
+        batch = synthetic_batch(args, vocab, rank)
+        pad = 0
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for i in range(args.repeats + 1):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            stats = policy_step(trainer, batch, cfg, pad, reference=reference, critic=critic)
+            if cuda:
+                torch.cuda.synchronize()
+            if i:  # the first is warm-up
+                times.append(time.perf_counter() - t0)
+        med = statistics.median(times)
+        results[alg] = {"update_s": med, "trained_tokens_per_s": stats["n_tokens_all"] / med,
+                        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda
+                        else None}
+        del model, trainer, critic, reference
+        if cuda:
+            torch.cuda.empty_cache()
+    if rank == 0:
+        out = {"world": world, "device": torch.cuda.get_device_name() if cuda else "cpu",
+               **vars(args), "results": results,
+               "ppo_over_grpo_time": results["ppo"]["update_s"] / results["grpo"]["update_s"]}
+        print(json.dumps(out, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
