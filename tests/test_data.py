@@ -168,6 +168,35 @@ def test_chat_template_wraps_the_prompt_as_a_user_message():
     assert p.text == "abc"  # reward functions see the prompt as written
 
 
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_gsm8k_style_parquet_with_a_chatml_template_and_no_bos(tmp_path):
+    """The shape of a GSM8K recipe: Parquet with question/answer, chat_template: true, and a
+    Qwen-style tokenizer (ChatML, no BOS token)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"question": "12+3", "answer": "15 #### 15"}, {"question": "2*4", "answer": "8 #### 8"}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    examples, _ = read_examples(str(tmp_path / "train.parquet"), "question", "answer", "raise")
+    tok = build_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.bos_token = None
+    tok.chat_template = CHATML
+    start, end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    fmt = PromptFormatter(tok, chat_template=True)
+    text = "<|im_start|>user\n12+3<|im_end|>\n<|im_start|>assistant\n"
+    assert fmt.text("12+3") == text
+    p = fmt.encode(examples)[0]
+    assert p.token_ids == tok.encode(text, add_special_tokens=False)
+    assert p.token_ids[0] == start and p.token_ids.count(start) == 2 and end in p.token_ids
+    assert (p.text, p.answer) == ("12+3", "15 #### 15")
+    plain = PromptFormatter(tok).encode(examples)[0]  # no BOS to prepend
+    assert plain.token_ids == tok.encode("12+3", add_special_tokens=False)
+
+
 def test_chat_template_without_one_in_the_tokenizer_is_refused():
     with pytest.raises(ValueError, match="has no chat template.*chat_template=false"):
         PromptFormatter(build_tokenizer(), chat_template=True, model="models/tiny")
