@@ -253,6 +253,9 @@ def _validate_data(data: DataConfig) -> None:
     in the rows is checked when the generators read the data.)"""
     from llamarl.data.sources import detect_format  # pathlib only: no heavy import
 
+    if not data.path and data.task != "reverse":
+        _fail("data.task", data.task, "the embedded task is 'reverse'; for other data set "
+              "data.path to a local .jsonl / .parquet file or save_to_disk directory")
     if data.eval_path and not data.path:
         _fail("data.eval_path", data.eval_path,
               "needs data.path (the training data); the synthetic task has its own held-out set")

@@ -84,6 +84,7 @@ def test_recipe_keys_are_validated(tmp_path):
         ([f"data.eval_path={path}"], ["'data.eval_path'", "needs data.path"]),
         (["data.system_prompt=be brief"], ["'data.system_prompt'", "chat_template=true"]),
         (["data.on_bad_row=ignore"], ["'data.on_bad_row'", "skip, raise"]),
+        (["data.task=sorting"], ["'data.task'", "data.path"]),
         ([f"data.path={path}", "data.prompt_field="], ["'data.prompt_field'"]),
     ]:
         with pytest.raises(ValueError) as e:
