@@ -41,21 +41,22 @@ def run_llamarl(recipe: str, steps: int, out: Path, extra: list[str]) -> Path:
 
 
 def standalone(recipe: str, steps: int, model_dir: str, extra: list[str]) -> list[dict]:
-    """The generator's own prompt stream and seeds, on a lone engine (no trainer, no sync)."""
+    """The generator's own prompt loader and seeds, on a lone engine (no trainer, no sync)."""
     from llamarl.config import load_config
+    from llamarl.data.dataset import load_prompt_data
+    from llamarl.data.loader import PromptLoader, shard
+    from llamarl.data.prompts import PromptFormatter
     from llamarl.generator.engine import Engine
-    from llamarl.generator.prompts import TRAIN_POOL, PromptStream, encode, task_examples
 
     cfg = load_config(recipe, extra)
     g = cfg.generator
     engine = Engine(model_dir, g, cfg.model.dtype, seed=cfg.run.seed, on_cpu=True)
-    tok = engine.tokenizer
-    train = [encode(tok, ex) for ex in task_examples(cfg.data.task, "train", TRAIN_POOL,
-                                                     cfg.run.seed)]
-    stream = PromptStream(train, 0, g.engines, cfg.run.seed)
+    fmt = PromptFormatter(engine.tokenizer, cfg.data.chat_template, cfg.data.system_prompt)
+    train = fmt.encode(shard(load_prompt_data(cfg.data, cfg.run.seed).train, 0, g.engines))
+    loader = PromptLoader(train, cfg.run.seed, 0, g.engines)
     rows = []
     for step in range(steps):
-        prompts = stream.next(g.prompts_per_step // g.engines)
+        prompts = loader.next(g.prompts_per_step // g.engines)
         t0 = time.perf_counter()
         groups = engine.generate([p.token_ids for p in prompts], g.samples_per_prompt,
                                  g.temperature, g.max_new_tokens,

@@ -40,9 +40,25 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    task: str = "reverse"  # embedded synthetic task (see llamarl/tiny/task.py)
+    task: str = "reverse"  # embedded synthetic task (llamarl/tiny/task.py), used when path = ""
+    # Training prompts from a local file (llamarl/data/): *.jsonl, *.parquet, or a directory
+    # written by datasets' save_to_disk. "" = the synthetic task.
+    path: str = ""
+    # Held-out prompts: the first eval_prompts valid rows of this file; "" = hold out eval_prompts
+    # rows of `path` (those with the smallest sha1 of their prompt text), never trained on.
+    eval_path: str = ""
     eval_prompts: int = 128  # held-out prompts, never trained on
     eval_samples_per_prompt: int = 4
+    # Field mapping: a key of each row, or a dotted path ("meta.question", "messages.0.content").
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"  # the reference answer given to reward functions; "" = none
+    # Wrap each prompt as a user message with the tokenizer's chat template
+    # (apply_chat_template(..., add_generation_prompt=True)); false = BOS + the prompt text.
+    chat_template: bool = False
+    system_prompt: str = ""  # a system message before the prompt (needs chat_template)
+    # Malformed rows (unparsable, missing/non-string/empty prompt, missing answer):
+    # skip = skip and count them (logged at start, data_bad_rows in metrics); raise = stop.
+    on_bad_row: str = "skip"
 
 
 @dataclass
@@ -171,6 +187,7 @@ _CHOICES = {
     "algorithm.correction": ("none", "aipo", "tis", "icepop"),
     "algorithm.tis_level": ("token", "sequence"),
     "algorithm.kl_estimator": ("k1", "k2", "k3"),
+    "data.on_bad_row": ("skip", "raise"),
 }
 
 
@@ -262,6 +279,7 @@ def validate(cfg: Config) -> Config:
         _fail("generator.tp", cfg.generator.tp,
               "tensor-parallel engines are laid out (llamarl/launch/layout.py) but their SPMD "
               "control path is not implemented yet: use generator.tp=1 and more engines")
+    _validate_data(cfg.data)
     per_rank = cfg.generator.engines * cfg.trainer.ranks
     if cfg.generator.prompts_per_step % per_rank:
         _fail("generator.prompts_per_step", cfg.generator.prompts_per_step,
@@ -272,6 +290,31 @@ def validate(cfg: Config) -> Config:
               f"must leave room for the prompt plus generator.max_new_tokens "
               f"({cfg.generator.max_new_tokens}); raise it")
     return cfg
+
+
+def _validate_data(data: DataConfig) -> None:
+    """Dataset paths exist and have a known format; fields are named. (Whether the fields are
+    in the rows is checked when the generators read the data.)"""
+    from llamarl.data.sources import detect_format  # pathlib only: no heavy import
+
+    if not data.path and data.task != "reverse":
+        _fail("data.task", data.task, "the embedded task is 'reverse'; for other data set "
+              "data.path to a local .jsonl / .parquet file or save_to_disk directory")
+    if data.eval_path and not data.path:
+        _fail("data.eval_path", data.eval_path,
+              "needs data.path (the training data); the synthetic task has its own held-out set")
+    for key in ("data.path", "data.eval_path"):
+        value = getattr(data, key.split(".")[1])
+        if value:
+            try:
+                detect_format(value)
+            except ValueError as e:  # "'<path>' <problem>: <fix>"
+                _fail(key, value, str(e).removeprefix(f"{value!r} "))
+    if data.path and not data.prompt_field:
+        _fail("data.prompt_field", data.prompt_field, "name the field that holds the prompt text")
+    if data.system_prompt and not data.chat_template:
+        _fail("data.system_prompt", data.system_prompt,
+              "a system prompt needs the chat template: set data.chat_template=true")
 
 
 def load_config(recipe: str | Path | None = None, overrides: list[str] = ()) -> Config:

@@ -42,7 +42,10 @@ def test_resume_continues_exactly(tmp_path, cache_dir):
     launch(straight, cache_dir, "run.steps=6")
     launch(split, cache_dir, "run.steps=3")
     first = only_run(split)
-    assert (first / "checkpoints" / "step_00000003" / "meta.json").is_file()
+    meta = json.loads((first / "checkpoints" / "step_00000003" / "meta.json").read_text())
+    # engine 0's prompt loader right after the 3rd batch (8 prompts each) is what resumes
+    assert meta["data_state"]["0"]["loader"]["root"]["it_state"]["source"] == {"epoch": 0,
+                                                                              "index": 24}
     # A checkpoint write that was killed halfway must never be picked up.
     shutil.copytree(first / "checkpoints" / "step_00000003",
                     first / "checkpoints" / "step_00000005.partial")

@@ -8,6 +8,8 @@ Loop of engine e with max_staleness = k, V = version of the loaded weights:
         stop once V reaches the trainer's final version
         groups = engine.generate(next prompts of shard e, n samples each)     # policy V
         rewards = reward_model(groups); split whole groups over the T trainer ranks; put()
+            (each batch carries the prompt loader's state after it: the trainer saves the state
+             of the last batch it trained on, and a resumed generator continues from there)
         (eval(V) whenever V passes an eval point)
 
 k = 0 is strictly on-policy: batch b is sampled from exactly the weights of trainer step b.
@@ -22,8 +24,10 @@ import time
 
 from llamarl.buffer.channel import open_channel
 from llamarl.buffer.record import RolloutBatch, split_groups
+from llamarl.data.dataset import PromptData, load_prompt_data
+from llamarl.data.loader import PromptLoader, shard
+from llamarl.data.prompts import PromptFormatter
 from llamarl.generator.engine import Engine, EngineWorld
-from llamarl.generator.prompts import TRAIN_POOL, PromptStream, encode, task_examples
 from llamarl.launch.runtime import Runtime, free_port, log
 from llamarl.parallel.weight_sync import pending_broadcasts
 from llamarl.rewards.registry import RewardModel
@@ -50,6 +54,27 @@ def check_lengths(prompts, max_new_tokens: int, max_model_len: int) -> None:
             f"at least {longest + max_new_tokens} or shorten the responses")
 
 
+def read_prompt_data(rt: Runtime) -> PromptData:
+    """Every engine reads the same data (before its engine starts, so a bad file fails fast);
+    engine 0 logs what was read and the malformed rows skipped."""
+    data = load_prompt_data(rt.cfg.data, rt.cfg.run.seed)
+    if rt.role.index == 0 and rt.role.is_engine_leader:
+        for line in data.notes:
+            log(rt, line)
+    return data
+
+
+def encode_prompts(rt: Runtime, data: PromptData, tokenizer, model_path: str):
+    """This engine's training-prompt loader (its shard of data.train) and its share of the
+    held-out prompts, tokenised; checks that every prompt fits the engine's context."""
+    cfg, e, engines = rt.cfg, rt.role.index, rt.layout.engines
+    fmt = PromptFormatter(tokenizer, cfg.data.chat_template, cfg.data.system_prompt, model_path)
+    train = fmt.encode(shard(data.train, e, engines))
+    held_out = fmt.encode(data.held_out[e::engines])
+    check_lengths(train + held_out, cfg.generator.max_new_tokens, cfg.generator.max_model_len)
+    return PromptLoader(train, cfg.run.seed, e, engines), held_out
+
+
 def join_weight_groups(rt: Runtime, engine: Engine) -> None:
     """Join wsync<r> = [trainer r (group rank 0), generator ranks (1 + j)] for every trainer
     rank r (see trainer.loop.open_weight_sender)."""
@@ -66,6 +91,7 @@ def run_generator(rt: Runtime) -> None:
     leader = rt.role.is_engine_leader
     if rt.layout.tp > 1 and leader:
         rt.store.set(f"engine/{e}/port", str(free_port()))
+    data = read_prompt_data(rt)
     model_path = rt.wait_key("model/path")
     t0 = time.perf_counter()
     engine = Engine(model_path, g, cfg.model.dtype, seed=cfg.run.seed + e, on_cpu=rt.on_cpu,
@@ -74,14 +100,8 @@ def run_generator(rt: Runtime) -> None:
 
     join_weight_groups(rt, engine)
 
-    tok = engine.tokenizer
-    train = [encode(tok, ex) for ex in task_examples(cfg.data.task, "train", TRAIN_POOL,
-                                                     cfg.run.seed)]
-    held_out = [encode(tok, ex) for ex in task_examples(cfg.data.task, "eval",
-                                                        cfg.data.eval_prompts, cfg.run.seed)]
-    check_lengths(train + held_out, g.max_new_tokens, g.max_model_len)
-    stream = PromptStream(train, e, rt.layout.engines, cfg.run.seed)
-    evaluator = Evaluator(rt, engine, held_out[e::rt.layout.engines])
+    loader, held_out = encode_prompts(rt, data, engine.tokenizer, model_path)
+    evaluator = Evaluator(rt, engine, held_out)
     rewards = RewardModel(cfg.reward.functions, cfg.reward.weights)
     per_engine = g.prompts_per_step // rt.layout.engines
     channels = ([open_channel(rt, e, t, "producer") for t in range(rt.layout.trainer_ranks)]
@@ -92,14 +112,19 @@ def run_generator(rt: Runtime) -> None:
     evaluator.timeline = timeline
     weights = WeightFollower(rt, engine, evaluator, timeline)
     k, b = cfg.sync.max_staleness, rt.resume.get("step", 0)
-    if b:  # resuming: the prompt stream is a pure function of the batches already drawn
-        stream.next(b * per_engine)
+    if b:  # resuming: continue the prompt order right after the last batch trained on
+        state = rt.resume.get("data_state", {}).get(str(e))
+        if state is not None:
+            loader.load_state_dict(state)
+        else:  # a checkpoint from before data states were saved: every batch drew per_engine
+            loader.next(b * per_engine)
         weights.resumed_at(b)
     else:
         evaluator.run(step=0, version=0)
     try:
         while weights.follow(need=b - k):
-            prompts = stream.next(per_engine)
+            prompts = loader.next(per_engine)
+            data_state = loader.state_dict()  # the position right after this batch
             t0 = time.perf_counter()
             with timeline.phase("generate", b):
                 groups = engine.generate([p.token_ids for p in prompts], g.samples_per_prompt,
@@ -110,7 +135,8 @@ def run_generator(rt: Runtime) -> None:
             with timeline.phase("reward", b):
                 batch = _to_batch(prompts, groups, rewards, weights.version, e, b, per_engine)
             reward_s = time.perf_counter() - t0
-            batch.info.update(step=b, generate_s=gen_s, reward_s=reward_s,
+            batch.info.update(step=b, engine=e, data_state=data_state, data_epoch=loader.epoch,
+                              data_bad_rows=data.bad_row_count, generate_s=gen_s, reward_s=reward_s,
                               tokens=int(batch.completion_lens.sum()),
                               prev_put_s=sum(ch.last_put_s for ch in channels))
             if leader:

@@ -6,8 +6,9 @@ Layout, under RUN_DIR/checkpoints/:
       .metadata, __*_*.distcp   DCP shards of {"model", "optim"} (+ {"critic", "critic_optim"}
                                 for PPO), written by every trainer rank
       rng_rank<r>.pt            each trainer rank's torch RNG state
-      meta.json                 step, policy version, LR schedule, prompts consumed per engine,
-                                the base model directory (for the config and tokenizer)
+      meta.json                 step, policy version, LR schedule, each engine's prompt-loader
+                                state after the last batch trained on, the base model directory
+                                (for the config and tokenizer)
     step_00000009.partial/      being written, or left by a crash: ignored, removed later
 
 Atomicity: every rank writes into `step_N.partial/`; after a barrier trainer 0 writes

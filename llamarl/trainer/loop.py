@@ -137,6 +137,9 @@ def run_trainer(rt: Runtime) -> None:
     timeline = Timeline(rt.run_dir, rt.role.rank, rt.role.name)
     version, dropped_total, k = 0, 0, cfg.sync.max_staleness
     resume = rt.resume
+    # Per engine, the prompt loader's state after the last batch trained on (saved in every
+    # checkpoint, restored by the generators on resume).
+    data_state: dict[str, dict] = dict(resume.get("data_state", {})) if resume else {}
     if resume:
         meta = checkpoint.load(Path(resume["checkpoint"]), model, trainer.opt, trainer.sched,
                                critic)
@@ -146,7 +149,6 @@ def run_trainer(rt: Runtime) -> None:
                              f"already run.steps = {cfg.run.steps}: raise run.steps to continue")
         log(rt, f"resumed from {resume['checkpoint']} at step {meta['step']}")
         sender.publish(model, version)  # generators continue from the restored policy
-    per_engine = cfg.generator.prompts_per_step // rt.layout.engines
     run_t0 = time.perf_counter()
     for step in range(version, cfg.run.steps):
         t_step = time.perf_counter()
@@ -156,6 +158,8 @@ def run_trainer(rt: Runtime) -> None:
         wait_s = sum(ch.wait_s for ch in channels) - sum(waits)
         transfer_s = time.perf_counter() - t_step - wait_s
         batch, dropped = drop_stale(RolloutBatch.concat(parts), version, k)
+        info = [p.info for p in parts]
+        data_state.update((str(i["engine"]), i["data_state"]) for i in info)
 
         t0 = time.perf_counter()
         with timeline.phase("train", step):
@@ -180,10 +184,9 @@ def run_trainer(rt: Runtime) -> None:
                 checkpoint.save(rt.run_dir, version, model, trainer.opt, trainer.sched, keep=
                                 cfg.run.keep_checkpoints, critic=critic, meta={
                                     "policy_version": version, "model_path": model_path,
-                                    "prompts_consumed_per_engine": version * per_engine})
+                                    "data_state": data_state})
         checkpoint_s = time.perf_counter() - t0
 
-        info = [p.info for p in parts]
         by_engine = {int(p.generator[0]): int(p.policy_version.min()) for p in parts if len(p)}
         n_tok = max(stats["n_tokens"], 1.0)
         row = {
@@ -205,6 +208,8 @@ def run_trainer(rt: Runtime) -> None:
             "response_len": stats["n_tokens"] / max(stats["n_seqs"], 1.0),
             "finished_frac": stats["finished"] / max(stats["n_seqs"], 1.0),
             "tokens_generated": int(stats["n_tokens"]),
+            "data_bad_rows": max(i["data_bad_rows"] for i in info),
+            "data_epoch": max(i["data_epoch"] for i in info),
             "generate_s": max(i["generate_s"] for i in info),
             "reward_s": max(i["reward_s"] for i in info),
             "wait_s": wait_s, "transfer_s": transfer_s, "train_s": train_s, "sync_s": sync_s,
