@@ -79,7 +79,7 @@ def main() -> None:
     from llamarl.config import load_config
     from llamarl.parallel.fsdp import apply_fsdp
     from llamarl.trainer.critic import build_critic
-    from llamarl.trainer.loop import load_reference
+    from llamarl.trainer.loop import TRAINER_BACKEND, load_reference
     from llamarl.trainer.policy import DTYPES, load_policy
     from llamarl.trainer.rl_step import policy_step
     from llamarl.trainer.step import PolicyTrainer
@@ -87,7 +87,7 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group(TRAINER_BACKEND["cuda" if cuda else "cpu"])
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     mesh = init_device_mesh(device.type, (world,))

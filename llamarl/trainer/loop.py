@@ -37,6 +37,8 @@ from llamarl.trainer.policy import DTYPES, load_policy
 from llamarl.trainer.rl_step import policy_step
 from llamarl.trainer.step import PolicyTrainer
 
+TRAINER_BACKEND = {"cuda": "cpu:gloo,cuda:nccl", "cpu": "gloo"}
+
 
 def init_trainer_group(rt: Runtime):
     """The trainer sub-mesh: a role-local default group (trainer ranks only) and its mesh."""
@@ -47,7 +49,9 @@ def init_trainer_group(rt: Runtime):
         torch.set_num_threads(threads)
     else:
         torch.cuda.set_device(rt.device)
-    backend = "nccl" if rt.device.type == "cuda" else "gloo"
+    # On GPU, NCCL carries the CUDA tensors (FSDP2) and gloo the small CPU tensors (batch
+    # statistics, advantage normalisers, checkpoint metadata): NCCL alone rejects CPU tensors.
+    backend = TRAINER_BACKEND[rt.device.type]
     dist.init_process_group(backend, store=dist.PrefixStore("trainer", rt.store),
                             rank=rt.role.index, world_size=rt.layout.trainer_ranks,
                             timeout=timedelta(seconds=rt.cfg.sync.timeout_s))

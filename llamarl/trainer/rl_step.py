@@ -59,22 +59,20 @@ def policy_step(trainer: PolicyTrainer, batch: RolloutBatch | None, cfg, pad_id:
             alg.name, rewards, batch.group_ids if n else torch.zeros(0, dtype=torch.long),
             batch.completion_lens if n else torch.zeros(0), alg.adv_eps, _all_reduce_sum)
     if alg.name == "ppo" or kl_reward:
-        prep = _prepare(trainer, seqs, source, pad_id, mb, reference if kl_reward else None,
-                        critic, alg.kl_estimator)
-        for j, (m, kl, v) in enumerate(prep):
-            r = rewards[j:j + 1]
-            if kl is not None:
-                kl_sum = kl_sum + (kl * m).sum()
-            if alg.name == "ppo":
-                adv, ret = gae(token_rewards(r, m, kl, alg.kl_coef), v, m, alg.gamma, alg.lam)
-                keep = m[0] > 0
-                per_seq["adv"].append(adv[0, keep])
-                per_seq["ret"].append(ret[0, keep])
-                per_seq["v_old"].append(v[0, keep])
-            else:
-                keep = m[0] > 0
-                a = adv_seq[j] - alg.kl_coef * reward_to_go(kl, m)[0, keep]
-                per_seq["adv"].append(a)
+        # the whole local batch at once, [n, T_max]: GAE's backward recursion is one loop
+        # over T for all sequences
+        m, kl, v = _prepare(trainer, seqs, source, pad_id, mb,
+                            reference if kl_reward else None, critic, alg.kl_estimator)
+        if kl is not None:
+            kl_sum = (kl * m).sum()
+        if alg.name == "ppo":
+            adv, ret = gae(token_rewards(rewards, m, kl, alg.kl_coef), v, m, alg.gamma, alg.lam)
+            per_seq["adv"] = _rows(adv, m)
+            per_seq["ret"] = _rows(ret, m)
+            per_seq["v_old"] = _rows(v, m)
+        else:
+            shaped = adv_seq[:, None] - alg.kl_coef * reward_to_go(kl, m)
+            per_seq["adv"] = _rows(shaped, m)
         if alg.name == "ppo" and alg.whiten_advantages:
             flat = torch.cat(per_seq["adv"]) if per_seq["adv"] else torch.zeros(0)
             flat = masked_whiten(flat, torch.ones_like(flat), 1e-8, _all_reduce_sum)
@@ -140,12 +138,22 @@ def _micro_count(n_local: int, mb: int) -> int:
     return int(count)
 
 
+def _rows(x: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+    """[n, T] -> n vectors of each row's completion-token entries."""
+    keep = mask > 0
+    return [x[j, keep[j]] for j in range(x.shape[0])]
+
+
 def _prepare(trainer: PolicyTrainer, seqs: list[Seq], source: RolloutBatch, pad_id: int,
              mb: int, reference, critic: PolicyTrainer | None, estimator: str):
-    """No-grad forwards over the batch: per sequence (mask [1, T-1], KL to the reference
-    [1, T-1] or None, old values [1, T-1] or None)."""
-    out = []
+    """No-grad forwards over the batch in micro-batches, gathered into [n, T_max] (T_max: the
+    longest sequence - 1): the loss mask, the KL to the reference (or None) and the critic's
+    values (or None), on the CPU."""
     n_micro = _micro_count(len(seqs), mb)
+    width = max((len(p) + len(c) - 1 for p, c, _ in seqs), default=1)
+    mask = torch.zeros(len(seqs), width)
+    kl_all = torch.zeros(len(seqs), width) if reference is not None else None
+    v_all = torch.zeros(len(seqs), width) if critic is not None else None
     with torch.no_grad():
         for k in range(n_micro):
             part = seqs[k * mb:(k + 1) * mb]
@@ -161,10 +169,14 @@ def _prepare(trainer: PolicyTrainer, seqs: list[Seq], source: RolloutBatch, pad_
             if critic is not None:
                 critic.model.eval()
                 v = critic_mod.values(critic.model, tbd).cpu()
-            for j in range(len(part)):
-                out.append((tb.mask[j:j + 1], None if kl is None else kl[j:j + 1],
-                            None if v is None else v[j:j + 1]))
-    return out
+            if part:
+                rows, cols = slice(k * mb, k * mb + len(part)), slice(0, tb.mask.shape[1])
+                mask[rows, cols] = tb.mask
+                if kl is not None:
+                    kl_all[rows, cols] = kl
+                if v is not None:
+                    v_all[rows, cols] = v
+    return mask, kl_all, v_all
 
 
 def _mini_batch(idx: list[int], seqs: list[Seq], per_seq: dict, source: RolloutBatch,

@@ -21,7 +21,7 @@ from llamarl.config import load_config  # noqa: E402
 from llamarl.parallel.fsdp import apply_fsdp  # noqa: E402
 from llamarl.tiny.model import build_model  # noqa: E402
 from llamarl.trainer.critic import build_critic  # noqa: E402
-from llamarl.trainer.loop import load_reference  # noqa: E402
+from llamarl.trainer.loop import TRAINER_BACKEND, load_reference  # noqa: E402
 from llamarl.trainer.rl_step import policy_step  # noqa: E402
 from llamarl.trainer.step import PolicyTrainer  # noqa: E402
 
@@ -36,7 +36,7 @@ if __name__ == "__main__":
     kind = os.environ.get("DEVICE", "cpu")
     if kind == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if kind == "cuda" else "gloo")
+    dist.init_process_group(TRAINER_BACKEND[kind])
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     cfg = load_config(None, CFG + os.environ.get("EXTRA", "").split())
