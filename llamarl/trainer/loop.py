@@ -31,6 +31,7 @@ from llamarl.launch.runtime import Runtime, log
 from llamarl.parallel.fsdp import apply_fsdp
 from llamarl.parallel.groups import make_group
 from llamarl.parallel.weight_sync import WeightSender, metas_to_json
+from llamarl.rewards.scorer import reward_metrics
 from llamarl.timeline import Timeline
 from llamarl.trainer import checkpoint
 from llamarl.trainer.metrics import MetricsLog
@@ -207,6 +208,7 @@ def run_trainer(rt: Runtime) -> None:
             "step_time_s": time.perf_counter() - t_step,
             "elapsed_s": time.perf_counter() - run_t0,
         }
+        row.update(reward_metrics(info))  # reward errors/timeouts, dynamic sampling, components
         row["skipped_steps_total"] = int(stats["skipped_total"])
         if "skipped" in stats:
             row["skipped_step"] = 1
