@@ -9,6 +9,7 @@ Every user mistake becomes a `ValueError` naming the key, the value and the fix,
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,13 +138,35 @@ class GeneratorConfig:
     kv_cache_gib: float = 0.25  # CPU KV cache per engine; on GPU gpu_memory_utilization applies
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = True
+    # DAPO dynamic sampling (llamarl/rewards/dynamic_sampling.py): drop prompt groups whose
+    # rewards are all equal and draw new prompts until the batch is full, for at most
+    # max_sampling_rounds generate calls per batch (then fill with dropped groups, counted).
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 4
 
 
 @dataclass
 class RewardConfig:
-    # Registry names (llamarl/rewards/registry.py) or "module:function"; weights default to 1.
+    # Built-ins (BUILTIN_REWARDS below) or "module:function"; weights default to 1.
+    # reward = sum_k w_k f_k + model_weight * RM + overlong penalty (llamarl/rewards/scorer.py)
     functions: list[str] = field(default_factory=lambda: ["reverse_match"])
     weights: list[float] = field(default_factory=list)
+    # `format` scores 1 when re.search(format_pattern, completion) matches; by default a final
+    # line "#### <number>".
+    format_pattern: str = r"(?:^|\n)####[ \t]*-?\$?\d[\d,]*(?:\.\d+)?\.?\s*\Z"
+    # User functions run in a worker process: a call longer than timeout_s is stopped. A call
+    # that raises or times out either stops the run (stop) or scores 0 and is counted (zero).
+    timeout_s: float = 10.0
+    on_error: str = "stop"  # stop | zero
+    # Reward model: a local Hugging Face AutoModelForSequenceClassification directory with
+    # num_labels = 1, scored on the generator (llamarl/rewards/reward_model.py); "" = none.
+    model_path: str = ""
+    model_weight: float = 1.0
+    model_batch_size: int = 32
+    # DAPO's soft overlong punishment (llamarl/rewards/shaping.py): the last overlong_buffer
+    # tokens of generator.max_new_tokens ramp a penalty from 0 to -overlong_penalty; 0 = off.
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
 
 
 @dataclass
@@ -177,6 +200,9 @@ class Config:
         return dataclasses.asdict(self)
 
 
+# The built-in reward functions (llamarl/rewards/registry.py implements them).
+BUILTIN_REWARDS = ("reverse_match", "exact_match", "gsm8k", "boxed", "format")
+
 _CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "trainer.lr_schedule": ("constant", "cosine"),
@@ -188,6 +214,7 @@ _CHOICES = {
     "algorithm.tis_level": ("token", "sequence"),
     "algorithm.kl_estimator": ("k1", "k2", "k3"),
     "data.on_bad_row": ("skip", "raise"),
+    "reward.on_error": ("stop", "zero"),
 }
 
 
@@ -270,11 +297,7 @@ def validate(cfg: Config) -> Config:
     if not 0 < cfg.algorithm.icepop_low < 1 < cfg.algorithm.icepop_high:
         _fail("algorithm.icepop_low/high", [cfg.algorithm.icepop_low, cfg.algorithm.icepop_high],
               "need 0 < icepop_low < 1 < icepop_high")
-    if not cfg.reward.functions:
-        _fail("reward.functions", cfg.reward.functions, "name at least one reward function")
-    if cfg.reward.weights and len(cfg.reward.weights) != len(cfg.reward.functions):
-        _fail("reward.weights", cfg.reward.weights,
-              f"give one weight per reward function ({len(cfg.reward.functions)}) or none")
+    _validate_reward(cfg)
     if cfg.generator.tp > 1:
         _fail("generator.tp", cfg.generator.tp,
               "tensor-parallel engines are laid out (llamarl/launch/layout.py) but their SPMD "
@@ -315,6 +338,40 @@ def _validate_data(data: DataConfig) -> None:
     if data.system_prompt and not data.chat_template:
         _fail("data.system_prompt", data.system_prompt,
               "a system prompt needs the chat template: set data.chat_template=true")
+
+
+def _validate_reward(cfg: Config) -> None:
+    r, g = cfg.reward, cfg.generator
+    if not r.functions and not r.model_path:
+        _fail("reward.functions", r.functions,
+              "name at least one reward function (or set reward.model_path)")
+    if r.weights and len(r.weights) != len(r.functions):
+        _fail("reward.weights", r.weights,
+              f"give one weight per reward function ({len(r.functions)}) or none")
+    for name in r.functions:
+        if name not in BUILTIN_REWARDS and (":" not in name or name.startswith(":")
+                                     or name.endswith(":")):
+            _fail("reward.functions", name, f"use one of {', '.join(BUILTIN_REWARDS)} or "
+                  "'module:function'")
+    try:
+        re.compile(r.format_pattern)
+    except re.error as e:
+        _fail("reward.format_pattern", r.format_pattern, f"is not a valid regex ({e})")
+    if r.timeout_s <= 0:
+        _fail("reward.timeout_s", r.timeout_s, "must be > 0 (seconds per reward function call)")
+    if r.model_batch_size <= 0:
+        _fail("reward.model_batch_size", r.model_batch_size, "must be > 0")
+    if not 0 <= r.overlong_buffer < g.max_new_tokens:
+        _fail("reward.overlong_buffer", r.overlong_buffer,
+              f"must be in [0, generator.max_new_tokens = {g.max_new_tokens}) (0 = off)")
+    if r.overlong_penalty < 0:
+        _fail("reward.overlong_penalty", r.overlong_penalty, "must be >= 0")
+    if g.max_sampling_rounds < 1:
+        _fail("generator.max_sampling_rounds", g.max_sampling_rounds, "must be >= 1")
+    if g.dynamic_sampling and g.samples_per_prompt < 2:
+        _fail("generator.dynamic_sampling", g.dynamic_sampling,
+              "needs generator.samples_per_prompt >= 2 (a group of one never has differing "
+              "rewards)")
 
 
 def load_config(recipe: str | Path | None = None, overrides: list[str] = ()) -> Config:

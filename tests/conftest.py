@@ -38,6 +38,29 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return path
 
 
+def save_tiny_reward_model(path: Path, num_labels: int = 1, seed: int = 0) -> Path:
+    """A randomly initialised tiny Qwen2ForSequenceClassification (the tiny policy's shape and
+    char tokenizer, pad_token_id set) saved as a HF directory."""
+    import torch
+    from transformers import Qwen2ForSequenceClassification
+
+    from llamarl.tiny.model import build_config, build_tokenizer
+
+    tok = build_tokenizer()
+    config = build_config(len(tok))
+    config.num_labels = num_labels
+    torch.manual_seed(seed)
+    model = Qwen2ForSequenceClassification(config)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_model_dir(tmp_path_factory) -> Path:
+    return save_tiny_reward_model(tmp_path_factory.mktemp("rm") / "reward_model")
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
     """Warm-start cache shared by the end-to-end tests of one session."""

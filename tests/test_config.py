@@ -44,6 +44,18 @@ def test_cli_overrides_beat_yaml(tmp_path):
     (["algorithm.correction=vtrace"], ["algorithm.correction", "aipo"]),
     (["generator.tp=2"], ["generator.tp", "tp=1"]),
     (["reward.weights=[1,2]"], ["reward.weights"]),
+    (["reward.functions=[gsm8]"], ["reward.functions", "gsm8k", "module:function"]),
+    (["reward.functions=[]"], ["reward.functions", "reward.model_path"]),
+    (["reward.on_error=ignore"], ["reward.on_error", "stop, zero"]),
+    (["reward.timeout_s=0"], ["reward.timeout_s", "> 0"]),
+    (["reward.format_pattern=(unclosed"], ["reward.format_pattern", "regex"]),
+    (["reward.model_batch_size=0"], ["reward.model_batch_size"]),
+    (["reward.overlong_buffer=16"], ["reward.overlong_buffer", "max_new_tokens = 16"]),
+    (["reward.overlong_buffer=-1"], ["reward.overlong_buffer"]),
+    (["reward.overlong_penalty=-1"], ["reward.overlong_penalty", ">= 0"]),
+    (["generator.max_sampling_rounds=0"], ["generator.max_sampling_rounds", ">= 1"]),
+    (["generator.dynamic_sampling=true", "generator.samples_per_prompt=1",
+      "algorithm.name=reinforce_pp"], ["generator.dynamic_sampling", "samples_per_prompt"]),
     (["run.steps"], ["key=value"]),
 ])
 def test_bad_values_are_one_line_errors_naming_the_key(override, words):
@@ -65,3 +77,15 @@ def test_unknown_key_in_yaml(tmp_path):
     recipe.write_text("trainer:\n  learning_rate: 0.1\n")
     with pytest.raises(ValueError, match="trainer.learning_rate"):
         load_config(recipe, [])
+
+
+def test_reward_keys_load():
+    cfg = load_config(None, ["reward.functions=[gsm8k,format,mymod:fn]", "reward.weights=[1,0.1,2]",
+                             "reward.on_error=zero", "reward.timeout_s=2.5",
+                             "reward.overlong_buffer=4", "generator.dynamic_sampling=true",
+                             "reward.model_path=/some/rm"])
+    assert cfg.reward.functions == ["gsm8k", "format", "mymod:fn"]
+    assert cfg.reward.model_path == "/some/rm" and cfg.reward.on_error == "zero"
+    assert cfg.generator.dynamic_sampling and cfg.reward.overlong_buffer == 4
+    only_rm = load_config(None, ["reward.functions=[]", "reward.model_path=/some/rm"])
+    assert only_rm.reward.functions == []

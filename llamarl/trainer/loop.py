@@ -29,6 +29,7 @@ from llamarl.launch.runtime import Runtime, log
 from llamarl.parallel.fsdp import apply_fsdp
 from llamarl.parallel.groups import make_group
 from llamarl.parallel.weight_sync import WeightSender, metas_to_json
+from llamarl.rewards.scorer import reward_metrics
 from llamarl.timeline import Timeline
 from llamarl.trainer import checkpoint
 from llamarl.trainer.critic import build_critic
@@ -229,6 +230,7 @@ def run_trainer(rt: Runtime) -> None:
             row.update(value_loss=stats["value_loss"], critic_grad_norm=stats["critic_grad_norm"],
                        value_mean=stats["value_sum"] / n_tok,
                        value_clip_frac=stats["value_clipped"] / n_tok)
+        row.update(reward_metrics(info))  # reward errors/timeouts, dynamic sampling, components
         row["skipped_steps_total"] = int(stats["skipped_total"])
         if "skipped" in stats:
             row["skipped_step"] = 1

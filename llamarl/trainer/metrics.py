@@ -61,6 +61,13 @@ class MetricsLog:
         kl_ref = f"kl_ref {row['kl_ref']:.1e} " if self.kl_ref else ""
         if "value_loss" in row:  # PPO's critic
             kl_ref += f"vloss {row['value_loss']:.3f} "
+        notes = ""  # only when something happened
+        if row.get("reward_errors") or row.get("reward_timeouts"):
+            notes += (f" | reward errors {row['reward_errors']} timeouts "
+                      f"{row['reward_timeouts']}")
+        if row.get("ds_rounds", 1) > 1 or row.get("ds_filled_groups"):
+            notes += (f" | dyn. sampling rounds {row['ds_rounds']} dropped "
+                      f"{row['ds_dropped_groups']} filled {row['ds_filled_groups']}")
         return (f"step {row['step']}/{total_steps} reward {row['reward_mean']:.3f} "
                 f"len {row['response_len']:.1f} ent {row['entropy']:.2f} {kl_ref}"
                 f"kl_mis {row['mismatch_kl']:.1e} clip {row['clip_frac']:.3f} "
@@ -68,7 +75,8 @@ class MetricsLog:
                 f"wait {row['wait_s']:.2f} xfer {row['transfer_s']:.3f} "
                 f"train {row['train_s']:.2f} sync {row['sync_s']:.3f}"
                 + (f" ckpt {row['checkpoint_s']:.2f}" if row.get("checkpoint_s") else "") +
-                f" | gen {tok_s:.0f} tok/s, train {row['train_tokens_per_s']:.0f} tok/s")
+                f" | gen {tok_s:.0f} tok/s, train {row['train_tokens_per_s']:.0f} tok/s"
+                + notes)
 
     def close(self) -> None:
         self._f.close()
