@@ -36,6 +36,9 @@ class ModelConfig:
     # "tiny:<task>" builds the embedded tiny Qwen2 model (warm-started on first use, then cached);
     # anything else is a local Hugging Face directory.
     path: str = "tiny:reverse"
+    # The compute dtype: the engines' weights, the trainer's forward/backward (FSDP2 mixed
+    # precision) and the exported policy. The trainer's own copy of the weights, its gradients
+    # and AdamW's state are in trainer.master_dtype.
     dtype: str = "float32"  # float32 | bfloat16 | float16
 
 
@@ -77,6 +80,9 @@ class TrainerConfig:
     # Recompute each decoder block's activations in backward (policy and critic): less memory
     # for long sequences and big models, about a third more compute.
     gradient_checkpointing: bool = False
+    # Master weights, gradients and optimizer state of the policy and the critic. float32 keeps
+    # small updates (lr 1e-6 on weights ~1e-2) that bfloat16's 8-bit mantissa would round away.
+    master_dtype: str = "float32"  # float32 | bfloat16
 
 
 @dataclass
@@ -205,6 +211,7 @@ BUILTIN_REWARDS = ("reverse_match", "exact_match", "gsm8k", "boxed", "format")
 
 _CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
+    "trainer.master_dtype": ("float32", "bfloat16"),
     "trainer.lr_schedule": ("constant", "cosine"),
     "algorithm.name": ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
                        "ppo"),

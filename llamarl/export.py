@@ -30,8 +30,12 @@ def export(checkpoint: Path, out_dir: Path) -> Path:
         flat = Path(tmp) / "state.pt"
         dcp_to_torch_save(str(checkpoint), str(flat))
         state = torch.load(flat, weights_only=False)["model"]
-    save_hf_dir(out_dir, state, AutoConfig.from_pretrained(meta["model_path"]),
-                AutoTokenizer.from_pretrained(meta["model_path"]))
+    config = AutoConfig.from_pretrained(meta["model_path"])
+    if "dtype" in meta:  # the trainer keeps master weights (float32): export the compute dtype
+        dtype = getattr(torch, meta["dtype"])
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        config.dtype = dtype
+    save_hf_dir(out_dir, state, config, AutoTokenizer.from_pretrained(meta["model_path"]))
     return Path(out_dir)
 
 

@@ -64,7 +64,7 @@ warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP\w+ForTok
 def build_critic(cfg: Config, policy_path: str, mesh, device: torch.device,
                  total_optimizer_steps: int, dp_size: int) -> PolicyTrainer:
     """The critic's trainer (model + AdamW + schedule), sharded on the trainer mesh."""
-    model = load_critic(cfg.critic.path or policy_path, cfg.model.dtype).to(device)
+    model = load_critic(cfg.critic.path or policy_path, cfg.trainer.master_dtype).to(device)
     apply_fsdp(model, mesh, param_dtype=DTYPES[cfg.model.dtype],
                gradient_checkpointing=cfg.trainer.gradient_checkpointing)
     c = cfg.critic

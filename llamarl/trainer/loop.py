@@ -116,7 +116,7 @@ def run_trainer(rt: Runtime) -> None:
         rt.store.set("model/path", model_path)
         (rt.run_dir / "model.json").write_text(json.dumps({"spec": cfg.model.path,
                                                             "path": model_path}))
-    model = load_policy(model_path, cfg.model.dtype).to(rt.device)
+    model = load_policy(model_path, cfg.trainer.master_dtype).to(rt.device)
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     check_tokenizer(tokenizer, model_path)
@@ -189,6 +189,7 @@ def run_trainer(rt: Runtime) -> None:
                 checkpoint.save(rt.run_dir, version, model, trainer.opt, trainer.sched, keep=
                                 cfg.run.keep_checkpoints, critic=critic, meta={
                                     "policy_version": version, "model_path": model_path,
+                                    "dtype": cfg.model.dtype,
                                     "data_state": data_state})
         checkpoint_s = time.perf_counter() - t0
 
@@ -241,7 +242,7 @@ def run_trainer(rt: Runtime) -> None:
 
     sender.wait()
     final_dir = rt.run_dir / "policy"
-    save_policy(model, model_path, final_dir, r == 0)
+    save_policy(model, model_path, final_dir, r == 0, DTYPES[cfg.model.dtype])
     if r == 0:
         summarize(rt, final_dir)
 
@@ -257,18 +258,20 @@ def drop_stale(batch: RolloutBatch, version: int, max_staleness: int):
     return (batch.select(keep) if keep else None), batch.select(drop)
 
 
-def save_policy(model: torch.nn.Module, src_dir: str, out_dir: Path, writer: bool) -> None:
+def save_policy(model: torch.nn.Module, src_dir: str, out_dir: Path, writer: bool,
+                dtype: torch.dtype) -> None:
     """Gather the full weights (collective) and write a HF directory loadable by transformers
-    and vLLM (safetensors + config + tokenizer)."""
+    and vLLM (safetensors + config + tokenizer), in the compute dtype `dtype`."""
     from transformers import AutoConfig, AutoTokenizer
 
     from llamarl.tiny.model import save_hf_dir
 
-    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
+    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().to(dtype)
              for k, v in model.state_dict().items()}
     if writer:
-        save_hf_dir(out_dir, state, AutoConfig.from_pretrained(src_dir),
-                    AutoTokenizer.from_pretrained(src_dir))
+        config = AutoConfig.from_pretrained(src_dir)
+        config.dtype = dtype
+        save_hf_dir(out_dir, state, config, AutoTokenizer.from_pretrained(src_dir))
     dist.barrier()
 
 
