@@ -23,8 +23,8 @@ COMMON = ["generator.prompts_per_step=8", "data.eval_prompts=16", "run.eval_ever
 TOLERANCE = 1e-5  # max |difference| of any weight after 6 steps
 
 
-def launch(out: Path, cache: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "llamarl.launch", RECIPE, f"run.output_dir={out}", *COMMON,
+def launch(out: Path, cache: Path, *args: str, recipe: str = RECIPE) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "llamarl.launch", recipe, f"run.output_dir={out}", *COMMON,
            *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=child_env(LLAMARL_CACHE=cache),
                           capture_output=True, text=True, timeout=600)
@@ -67,6 +67,28 @@ def test_resume_continues_exactly(tmp_path, cache_dir):
     assert worst <= TOLERANCE
     kept = sorted(p.name for p in (first / "checkpoints").iterdir())
     assert kept == ["step_00000003", "step_00000006"], kept  # keep 2, partial removed
+
+
+def test_ppo_resume_restores_the_critic(tmp_path, cache_dir):
+    """PPO's checkpoint carries the critic, its optimizer and schedule: 4 steps straight ==
+    2 + resume + 2, for the policy's weights and the critic's value loss at every step."""
+    ppo = dict(recipe="recipes/tiny_ppo_cpu.yaml")
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    launch(straight, cache_dir, "run.steps=4", "run.checkpoint_every=2", **ppo)
+    launch(split, cache_dir, "run.steps=2", "run.checkpoint_every=2", **ppo)
+    proc = launch(split, cache_dir, "run.steps=4", "run.checkpoint_every=2", "run.resume=auto",
+                  **ppo)
+    assert "resumed from" in proc.stderr and "step_00000002" in proc.stderr
+    a = [json.loads(x) for x in (only_run(straight) / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(x) for x in (only_run(split) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    assert all(r["value_loss"] > 0 for r in b)
+    for ra, rb in zip(a, b):  # a critic restarted from scratch would differ from step 3 on
+        assert rb["value_loss"] == pytest.approx(ra["value_loss"], rel=1e-4, abs=1e-7)
+        assert rb["value_mean"] == pytest.approx(ra["value_mean"], rel=1e-4, abs=1e-7)
+    wa = load_file(only_run(straight) / "policy" / "model.safetensors")
+    wb = load_file(only_run(split) / "policy" / "model.safetensors")
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= TOLERANCE
 
 
 def test_export_any_checkpoint_as_hf_directory(tmp_path, cache_dir):
