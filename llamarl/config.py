@@ -165,10 +165,14 @@ class RewardConfig:
     timeout_s: float = 10.0
     on_error: str = "stop"  # stop | zero
     # Reward model: a local Hugging Face AutoModelForSequenceClassification directory with
-    # num_labels = 1, scored on the generator (llamarl/rewards/reward_model.py); "" = none.
+    # num_labels = 1; "" = none. model_placement: generator = unsharded on each generator rank,
+    # batches of model_batch_size (llamarl/rewards/reward_model.py), exact with dynamic
+    # sampling; trainer = FSDP2-sharded on the trainer ranks, micro-batches of
+    # trainer.micro_batch_size (llamarl/trainer/reward_model.py), for models too big for that.
     model_path: str = ""
     model_weight: float = 1.0
     model_batch_size: int = 32
+    model_placement: str = "generator"  # generator | trainer
     # DAPO's soft overlong punishment (llamarl/rewards/shaping.py): the last overlong_buffer
     # tokens of generator.max_new_tokens ramp a penalty from 0 to -overlong_penalty; 0 = off.
     overlong_buffer: int = 0
@@ -222,6 +226,7 @@ _CHOICES = {
     "algorithm.kl_estimator": ("k1", "k2", "k3"),
     "data.on_bad_row": ("skip", "raise"),
     "reward.on_error": ("stop", "zero"),
+    "reward.model_placement": ("generator", "trainer"),
 }
 
 
@@ -379,6 +384,12 @@ def _validate_reward(cfg: Config) -> None:
         _fail("generator.dynamic_sampling", g.dynamic_sampling,
               "needs generator.samples_per_prompt >= 2 (a group of one never has differing "
               "rewards)")
+    if g.dynamic_sampling and r.model_path and r.model_placement == "trainer":
+        # the generator filters groups before the trainer-side reward model has scored them
+        _fail("generator.dynamic_sampling", g.dynamic_sampling,
+              "needs every reward at the generator, but reward.model_placement=trainer scores "
+              "the reward model on the trainer: use reward.model_placement=generator or "
+              "generator.dynamic_sampling=false")
 
 
 def load_config(recipe: str | Path | None = None, overrides: list[str] = ()) -> Config:

@@ -38,17 +38,38 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return path
 
 
-def save_tiny_reward_model(path: Path, num_labels: int = 1, seed: int = 0) -> Path:
-    """A randomly initialised tiny Qwen2ForSequenceClassification (the tiny policy's shape and
-    char tokenizer, pad_token_id set) saved as a HF directory."""
+def reversed_char_tokenizer():
+    """A char tokenizer over the tiny policy's characters in reverse order: the same texts,
+    other token ids (a reward model whose tokenizer is not the policy's)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from llamarl.tiny.model import SPECIAL, build_tokenizer
+
+    chars = [c for c in build_tokenizer().get_vocab() if c not in SPECIAL]
+    vocab = {t: i for i, t in enumerate(SPECIAL + sorted(chars, reverse=True))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+        unk_token="<unk>", clean_up_tokenization_spaces=False)
+
+
+def save_tiny_reward_model(path: Path, num_labels: int = 1, seed: int = 0, tokenizer=None,
+                           pad_token_id: int = 0) -> Path:
+    """A randomly initialised tiny Qwen2ForSequenceClassification (the tiny policy's shape and,
+    unless `tokenizer` is given, its char tokenizer; `pad_token_id` in config.json) saved as a
+    HF directory."""
     import torch
     from transformers import Qwen2ForSequenceClassification
 
     from llamarl.tiny.model import build_config, build_tokenizer
 
-    tok = build_tokenizer()
+    tok = tokenizer or build_tokenizer()
     config = build_config(len(tok))
     config.num_labels = num_labels
+    config.pad_token_id = pad_token_id
     torch.manual_seed(seed)
     model = Qwen2ForSequenceClassification(config)
     model.save_pretrained(path)

@@ -105,6 +105,9 @@ def run_generator(rt: Runtime) -> None:
     loader, held_out = encode_prompts(rt, data, engine.tokenizer, model_path)
     scorer = RewardScorer(cfg.reward, g.max_new_tokens, str(rt.device))
     rt.watchdog.cleanups.append(scorer.close)
+    if cfg.reward.model_path and scorer.model is None and e == 0 and leader:
+        log(rt, "the reward model scores on the trainer ranks (reward.model_placement="
+                "trainer): eval.jsonl holds the reward functions' held-out reward only")
     evaluator = Evaluator(rt, engine, held_out, scorer)
     per_engine = g.prompts_per_step // rt.layout.engines
     channels = ([open_channel(rt, e, t, "producer") for t in range(rt.layout.trainer_ranks)]
@@ -263,7 +266,8 @@ def _to_batch(groups: list[ScoredGroup], version: int, engine: int, step: int,
 class Evaluator:
     """Held-out reward: sampled at the training temperature (the quantity RL maximises) and
     greedy. Each engine scores its shard; engine 0 aggregates and appends to eval.jsonl.
-    The reward is the training reward without shaping (no overlong penalty)."""
+    The reward is the training reward without shaping (no overlong penalty) and, with
+    reward.model_placement = trainer, without the reward model (it is not loaded here)."""
 
     def __init__(self, rt: Runtime, engine: Engine, prompts, scorer: RewardScorer):
         self.rt, self.engine, self.prompts = rt, engine, prompts

@@ -8,8 +8,10 @@ For completion i of a batch (B samples):
 
 Built-in verifiers run in this process; user functions (`module:function`) run in a worker
 process, the whole batch in one message (llamarl/rewards/sandbox.py); the reward model scores
-the batch in sub-batches (llamarl/rewards/reward_model.py). A function call that raises, returns
-a non-number or times out (reward.timeout_s) is handled as reward.on_error says:
+the batch in sub-batches (llamarl/rewards/reward_model.py); with reward.model_placement =
+trainer this scorer leaves the reward model out and the trainer ranks add its term
+(llamarl/trainer/reward_model.py). A function call that raises, returns a non-number or times
+out (reward.timeout_s) is handled as reward.on_error says:
   * stop: RuntimeError naming the function and the sample; the run stops with it.
   * zero: that component is 0 for that sample; the run goes on; counted in metrics.jsonl as
     `reward_errors` / `reward_timeouts`.
@@ -61,7 +63,7 @@ class RewardScorer:
             from llamarl.rewards.sandbox import UserFunctionWorker
             self.worker = UserFunctionWorker(self.user_names, cfg.timeout_s)
         self.model = None
-        if cfg.model_path:
+        if cfg.model_path and cfg.model_placement == "generator":  # else: trainer/reward_model.py
             from llamarl.rewards.reward_model import SequenceRewardModel
             self.model = SequenceRewardModel(cfg.model_path, device, cfg.model_batch_size)
 

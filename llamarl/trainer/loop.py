@@ -5,6 +5,8 @@ On-policy loop of trainer rank r (of T), with E engines:
 
     for step in 0..steps-1:
         batch = concat(channel[e -> r].get() for e in engines)      # whole groups, version = step
+        reward.model_placement = trainer: batch.rewards += w_rm * RM(batch), the reward model
+            FSDP2-sharded like the reference                          (trainer/reward_model.py)
         policy_step(batch): advantages (GRPO, RLOO, ..., PPO's GAE with the critic), then
             algorithm.epochs x algorithm.mini_batches optimizer steps     (trainer/rl_step.py)
         WeightSender.publish(model)              # every rank sends its own shards
@@ -35,6 +37,7 @@ from llamarl.trainer import checkpoint
 from llamarl.trainer.critic import build_critic
 from llamarl.trainer.metrics import MetricsLog
 from llamarl.trainer.policy import DTYPES, load_policy
+from llamarl.trainer.reward_model import build_reward_model
 from llamarl.trainer.rl_step import policy_step
 from llamarl.trainer.step import PolicyTrainer
 
@@ -128,6 +131,9 @@ def run_trainer(rt: Runtime) -> None:
     reference = load_reference(cfg, model_path, mesh, rt.device)
     critic = (build_critic(cfg, model_path, mesh, rt.device, opt_steps, T)
               if cfg.algorithm.name == "ppo" else None)
+    reward_model = build_reward_model(cfg, tokenizer, mesh, rt.device)
+    if reward_model is not None:
+        log(rt, f"reward model {cfg.reward.model_path} sharded over {T} trainer rank(s)")
 
     sender = open_weight_sender(rt, model)
     channels = [open_channel(rt, e, r, "consumer") for e in range(rt.layout.engines)]
@@ -165,6 +171,11 @@ def run_trainer(rt: Runtime) -> None:
         batch, dropped = drop_stale(RolloutBatch.concat(parts), version, k)
         info = [p.info for p in parts]
         data_state.update((str(i["engine"]), i["data_state"]) for i in info)
+        rm_row = {}
+        if reward_model is not None:  # every rank, even with batch None: FSDP2 collectives
+            with timeline.phase("reward_model", step):
+                rm_row = reward_model.add_scores(batch, cfg.reward.model_weight,
+                                                 cfg.trainer.micro_batch_size)
 
         t0 = time.perf_counter()
         with timeline.phase("train", step):
@@ -232,6 +243,7 @@ def run_trainer(rt: Runtime) -> None:
                        value_mean=stats["value_sum"] / n_tok,
                        value_clip_frac=stats["value_clipped"] / n_tok)
         row.update(reward_metrics(info))  # reward errors/timeouts, dynamic sampling, components
+        row.update(rm_row)  # reward/reward_model, reward_model_s (trainer placement)
         row["skipped_steps_total"] = int(stats["skipped_total"])
         if "skipped" in stats:
             row["skipped_step"] = 1
@@ -278,7 +290,9 @@ def save_policy(model: torch.nn.Module, src_dir: str, out_dir: Path, writer: boo
 def summarize(rt: Runtime, final_dir: Path) -> None:
     after = json.loads(rt.wait_key(f"eval/result/{rt.cfg.run.steps}"))
     before = json.loads((rt.run_dir / "eval.jsonl").read_text().splitlines()[0])
-    log(rt, f"held-out reward (sampled, T={rt.cfg.generator.temperature}): "
+    r = rt.cfg.reward
+    what = " of the reward functions" if r.model_path and r.model_placement == "trainer" else ""
+    log(rt, f"held-out reward{what} (sampled, T={rt.cfg.generator.temperature}): "
             f"before {before['reward_mean']:.3f} -> after {after['reward_mean']:.3f} "
             f"(greedy {before['reward_mean_greedy']:.3f} -> {after['reward_mean_greedy']:.3f})")
     log(rt, f"final policy: {final_dir}")

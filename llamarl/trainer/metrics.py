@@ -72,8 +72,9 @@ class MetricsLog:
                 f"len {row['response_len']:.1f} ent {row['entropy']:.2f} {kl_ref}"
                 f"kl_mis {row['mismatch_kl']:.1e} clip {row['clip_frac']:.3f} "
                 f"stale {row['staleness_mean']:.1f} | step {row['step_time_s']:.2f}s = "
-                f"wait {row['wait_s']:.2f} xfer {row['transfer_s']:.3f} "
-                f"train {row['train_s']:.2f} sync {row['sync_s']:.3f}"
+                f"wait {row['wait_s']:.2f} xfer {row['transfer_s']:.3f}"
+                + (f" rm {row['reward_model_s']:.2f}" if "reward_model_s" in row else "") +
+                f" train {row['train_s']:.2f} sync {row['sync_s']:.3f}"
                 + (f" ckpt {row['checkpoint_s']:.2f}" if row.get("checkpoint_s") else "") +
                 f" | gen {tok_s:.0f} tok/s, train {row['train_tokens_per_s']:.0f} tok/s"
                 + notes)
