@@ -4,9 +4,9 @@
                           the reference policy (when the run has one) and the behaviour/trainer
                           mismatch KL against trainer step
   timeline.png            per-rank phases (generate, reward, put, load_weights, eval;
-                          wait_rollouts, train, sync, checkpoint) over the last N trainer steps
-                          of the latest launch: overlap between generators and trainers, and
-                          idle gaps (white)
+                          wait_rollouts, reward_model, train, sync, checkpoint) over the last
+                          N trainer steps of the latest launch: overlap between generators and
+                          trainers, and idle gaps (white)
   timeline.trace.json     the whole timeline in Chrome trace format (chrome://tracing, Perfetto)
 
 It also prints each rank's busy share over the run. A resumed run repeats the steps after its
@@ -24,7 +24,7 @@ from llamarl import timeline
 
 COLORS = {"generate": "#4C72B0", "reward": "#8172B2", "put": "#64B5CD", "load_weights": "#55A868",
           "eval": "#CCB974", "wait_rollouts": "#DDDDDD", "train": "#C44E52", "sync": "#DD8452",
-          "checkpoint": "#937860"}
+          "checkpoint": "#937860", "reward_model": "#B07AA1"}
 
 
 def chrome_trace(events: list[dict]) -> dict:
