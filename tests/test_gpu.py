@@ -65,3 +65,21 @@ def test_vllm_cuda_engine_generates_with_logprobs(tiny_model_dir):
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env(),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 3e-2)])
+def test_cuda_trainer_reward_model_matches_cpu(tmp_path, tiny_reward_model_dir, dtype, tol):
+    from llamarl.buffer.record import RolloutBatch
+    from llamarl.tiny.model import build_tokenizer
+    from llamarl.trainer.reward_model import TrainerRewardModel
+
+    proc = torchrun(1, [str(DIST / "trainer_reward_model.py")], timeout=600, DEVICE="cuda",
+                    DTYPE=dtype, RM_DIR=tiny_reward_model_dir, OUT=tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = torch.load(tmp_path / "out.0")
+    batch = RolloutBatch(**out["all"]["batch"])
+    cpu = TrainerRewardModel(str(tiny_reward_model_dir), build_tokenizer(), "float32",
+                             torch.device("cpu")).score(batch, 2)
+    assert out["sharded"]
+    assert out["all"]["scores"].tolist() == pytest.approx(cpu.tolist(), abs=tol)
+    assert out["all"]["mean"] == pytest.approx(float(cpu.mean()), abs=tol)

@@ -1,9 +1,12 @@
-"""torchrun --nproc-per-node 2: the trainer-side reward model FSDP2-sharded on the gloo trainer
-group scores two rollout shares: "uneven" (rank 0: 5 sequences = 3 micro-batches of 2, rank 1:
-2 sequences = 1 micro-batch, then 2 fillers) and "one_empty" (rank 0: 3 sequences, rank 1: no
-batch, only fillers). Rank r saves its batches, scores and the cross-rank mean to $OUT.r.
+"""torchrun --nproc-per-node N: the trainer-side reward model FSDP2-sharded on the trainer group
+scores rollout shares; rank r saves its batches, scores and the cross-rank mean to $OUT.r.
 
-Env: RM_DIR (a tiny reward model directory with the tiny policy's tokenizer), OUT."""
+N = 2: "uneven" (rank 0: 5 sequences = 3 micro-batches of 2, rank 1: 2 sequences = 1
+micro-batch, then 2 fillers) and "one_empty" (rank 0: 3 sequences, rank 1: no batch, only
+fillers). N = 1: "all" 8 sequences.
+
+Env: RM_DIR (a tiny reward model directory with the tiny policy's tokenizer), OUT, DEVICE (cpu,
+the default, on gloo; or cuda: one GPU per rank, NCCL + gloo), DTYPE (model.dtype, float32)."""
 
 import os
 import sys
@@ -19,18 +22,25 @@ from test_buffer import make_batch  # noqa: E402
 from llamarl.tiny.model import build_tokenizer  # noqa: E402
 from llamarl.trainer.reward_model import TrainerRewardModel  # noqa: E402
 
-SHARES = {"uneven": ([0, 1, 2, 3, 4], [5, 6]), "one_empty": ([2, 5, 7], None)}
+SHARES = {1: {"all": [list(range(8))]},
+          2: {"uneven": [[0, 1, 2, 3, 4], [5, 6]], "one_empty": [[2, 5, 7], None]}}
+BACKEND = {"cpu": "gloo", "cuda": "cpu:gloo,cuda:nccl"}  # as trainer.loop.TRAINER_BACKEND
 
 if __name__ == "__main__":
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    kind = os.environ.get("DEVICE", "cpu")
+    if kind == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(BACKEND[kind])
+    rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    rm = TrainerRewardModel(os.environ["RM_DIR"], build_tokenizer(), "float32",
-                            torch.device("cpu"), mesh)
+    mesh = init_device_mesh(kind, (world,))
+    device = torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else \
+        torch.device("cpu")
+    rm = TrainerRewardModel(os.environ["RM_DIR"], build_tokenizer(),
+                            os.environ.get("DTYPE", "float32"), device, mesh)
     full = make_batch(2, 4, seed=3)  # 8 sequences of varied lengths
     out = {"sharded": all(isinstance(p, DTensor) for p in rm.model.parameters())}
-    for case, shares in SHARES.items():
+    for case, shares in SHARES[world].items():
         rows = shares[rank]
         batch = full.select(rows) if rows is not None else None
         scores = rm.score(batch, micro_batch_size=2)
