@@ -91,12 +91,13 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--correction", default="tis", choices=["none", "aipo", "tis", "icepop"])
+    ap.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2], help="max_staleness values")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = [run(k, s, args.correction, args.steps, args.eval_every, args.overrides)
-               for s in args.seeds for k in (0, 1, 2)]
+               for s in args.seeds for k in args.ks]
     with open(out / "async_quality.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["k", "seed", "step", "wall_s", "reward_mean",
                                           "reward_mean_greedy"])
