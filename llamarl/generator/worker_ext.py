@@ -33,8 +33,7 @@ class LlamarlWorkerExtension:
 
     def llamarl_receive_weights(self) -> int:
         """Receive one full set of weights from the trainer and load it into the model."""
-        model = self.model_runner.model
-        return self._llamarl_receiver.receive(model.load_weights)
+        return self._llamarl_receiver.receive(self.model_runner.model)
 
     def llamarl_receive_raw(self, nbytes: int) -> int:
         """Receive one flat broadcast of `nbytes` on the weight group and discard it: the raw
