@@ -1,13 +1,21 @@
 """Weight sync vs a raw broadcast of the same bytes between the same processes.
 
 Launched by torchrun with 3 ranks (2 FSDP2 trainer ranks + 1 vLLM generator), through
-llamarl's own runtime. Per round, timed on trainer 0 until the generator confirms:
-  sync: every trainer rank packs its FSDP2 shards and broadcasts them on its own group; the
-        engine receives all, reassembles the rows and runs load_weights: everything a real
+llamarl's own runtime. Per round, timed on trainer 0 from the start of the publish until the
+generator confirms through the store:
+  sync: the training loop's path: every trainer rank publishes (trainer 0 announces the
+        version in the store; each rank packs its FSDP2 shards and broadcasts them on its own
+        group); the generator, blocked in WeightFollower.follow as between generation
+        batches, wakes on the announcement, receives every bucket, writes the weights into
+        the engine and resets the prefix cache (the weights are usable): everything a real
         sync costs;
-  raw:  trainer 0 broadcasts one flat uint8 tensor of the model's byte count to the generator
-        on the same group.
-Reports medians and raw_s / sync_s (1.0 = the sync costs no more than moving the bytes).
+  raw:  trainer 0 announces in the store and broadcasts one flat uint8 tensor of the model's
+        byte count to the generator on the same group; the generator, blocked on the store
+        key, wakes and receives it in the vLLM worker (collective_rpc).
+Both end with the same acknowledgement (the generator sets a store key, trainer 0 waits on
+it). Round 0 of each is a warm-up (and the sync's round 0 records the engine's load_weights,
+see llamarl/parallel/load_replay.py). Reports medians and raw_s / sync_s (1.0 = the sync
+costs no more than moving the bytes).
 
     torchrun --standalone --nproc-per-node 3 bench/weight_sync.py --model tiny|100m
 """
@@ -88,20 +96,21 @@ def trainer(rt, args) -> None:
     apply_fsdp(model, mesh, torch.float32)
     sender = open_weight_sender(rt, model)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())  # full model
-    sync_s, raw_s, gather_s = [], [], []
+    flat = torch.ones(nbytes, dtype=torch.uint8)
+    sync_s, raw_s, publish_s = [], [], []
     for i in range(args.rounds + 1):  # round 0 warms up both paths
         torch.distributed.barrier()
         t0 = time.perf_counter()
-        sender.send(model)  # pack and broadcast, pipelined per bucket
+        sender.publish(model, version=i + 1)  # as the training loop does after a step
         t1 = time.perf_counter()
         if rt.role.index == 0:
             rt.wait_key(f"bench/loaded/{i}")
             sync_s.append(time.perf_counter() - t0)
-            gather_s.append(t1 - t0)  # this rank packs + sends its shards
-
-            rt.store.set(f"bench/raw/{i}", str(nbytes))
-            flat = torch.ones(nbytes, dtype=torch.uint8)
+            publish_s.append(t1 - t0)  # what the training loop waits for
+        sender.wait()
+        if rt.role.index == 0:
             t0 = time.perf_counter()
+            rt.store.set(f"bench/raw/{i}", str(nbytes))
             broadcast(sender.group, flat, root=0)
             rt.wait_key(f"bench/raw_done/{i}")
             raw_s.append(time.perf_counter() - t0)
@@ -109,7 +118,7 @@ def trainer(rt, args) -> None:
         s, r = statistics.median(sync_s[1:]), statistics.median(raw_s[1:])
         report = {"model": args.model, "bytes": nbytes, "trainer_ranks": 2,
                   "rounds": args.rounds, "sync_s": s, "raw_s": r,
-                  "send_s": statistics.median(gather_s[1:]),
+                  "publish_s": statistics.median(publish_s[1:]),
                   "load_s": float(rt.wait_key("bench/load_s")),
                   "sync_bytes_per_s": nbytes / s,
                   "raw_bytes_per_s": nbytes / r, "ratio_raw_over_sync": r / s}
@@ -121,17 +130,27 @@ def trainer(rt, args) -> None:
 
 def generator(rt, args) -> None:
     from llamarl.generator.engine import Engine
-    from llamarl.generator.loop import join_weight_groups
+    from llamarl.generator.loop import WeightFollower, join_weight_groups
+    from llamarl.timeline import Timeline
 
     model_dir = rt.wait_key("bench/model")
     engine = Engine(model_dir, rt.cfg.generator, "float32", seed=0, on_cpu=rt.on_cpu)
     join_weight_groups(rt, engine)
     load_s = []
-    for i in range(args.rounds + 1):
+    receive_weights = engine.receive_weights
+
+    def receive_and_confirm() -> None:
+        """The follower's receive; the weights are usable in the engine when it returns."""
         t0 = time.perf_counter()
-        engine.receive_weights()
+        receive_weights()
         load_s.append(time.perf_counter() - t0)
-        rt.store.set(f"bench/loaded/{i}", "1")
+        rt.store.set(f"bench/loaded/{len(load_s) - 1}", "1")
+
+    engine.receive_weights = receive_and_confirm
+    weights = WeightFollower(rt, engine, None, Timeline(rt.run_dir, rt.role.rank, rt.role.name))
+    for i in range(args.rounds + 1):
+        weights.follow(need=i + 1)
+        assert weights.version == i + 1, (weights.version, i)
         nbytes = int(rt.wait_key(f"bench/raw/{i}"))
         engine.llm.collective_rpc("llamarl_receive_raw", args=(nbytes,))
         rt.store.set(f"bench/raw_done/{i}", "1")
