@@ -113,3 +113,53 @@ def test_split_rows_refuses_views_across_rows():
     flat = full.view(-1)[2:8]  # 1-D: its dim 0 is not the rows of full
     assert split_rows(torch.zeros(6), flat, full, pieces) is None
     assert split_rows(torch.zeros(2, 4), full.t()[:2], full, pieces) is None  # transposed
+
+
+class LoopbackGroup:
+    """Stands in for a sender's process group in one process: `broadcast` fills the receive
+    buffer with what the sender packed (the real groups: tests/test_weight_sync.py)."""
+
+    def __init__(self):
+        self.outbox: list[torch.Tensor] = []
+
+    def broadcast(self, tensors, opts):
+        tensors[0].copy_(self.outbox.pop(0))
+        return self
+
+    def wait(self):
+        return True
+
+
+def test_receiver_replays_rows_from_several_buckets_per_sender():
+    from llamarl.parallel.weight_sync import TensorMeta, WeightReceiver
+
+    shapes = {"q": (4, 3), "k": (2, 3), "v": (2, 3), "embed": (3, 3), "o": (2, 4)}
+    # Two senders split every tensor's rows (sender 0 takes the first ceil(rows / 2));
+    # bucket_mb = 0 gives every tensor piece a bucket of its own: 5 buckets per sender.
+    metas = [[], []]
+    for name, shape in shapes.items():
+        half = -(-shape[0] // 2)
+        metas[0].append(TensorMeta(name, "torch.float32", shape, half, 0))
+        metas[1].append(TensorMeta(name, "torch.float32", shape, shape[0] - half, half))
+    groups = [LoopbackGroup(), LoopbackGroup()]
+    receiver = WeightReceiver(metas, 0, groups, torch.device("cpu"))
+
+    def send(ckpt):
+        for s, group in enumerate(groups):
+            for bucket in receiver.plans[s]:
+                flat = torch.empty(bucket.numel)
+                for meta, off in bucket.entries:
+                    rows = ckpt[meta.name][meta.row0:meta.row0 + meta.local_rows]
+                    flat[off:off + meta.numel] = rows.reshape(-1)
+                group.outbox.append(flat)
+
+    engine = FusedEngine(tp_rank=1)
+    for seed in (0, 1, 2):  # records on the first sync, replays on the others
+        send(checkpoint(seed))
+        assert receiver.receive(engine) == len(shapes)
+        reference = FusedEngine(tp_rank=1)
+        reference.load_weights(checkpoint(seed).items())
+        for (name, p), q in zip(engine.named_parameters(), reference.parameters()):
+            assert torch.equal(p, q), (seed, name)
+        assert receiver.replay is not None, receiver.problem
+    assert [len(plan) for plan in receiver.plans] == [5, 5]
