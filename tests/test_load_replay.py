@@ -130,7 +130,7 @@ class LoopbackGroup:
         return True
 
 
-def test_receiver_replays_rows_from_several_buckets_per_sender():
+def test_receiver_replays_rows_from_several_buckets_per_sender_some_in_place():
     from llamarl.parallel.weight_sync import TensorMeta, WeightReceiver
 
     shapes = {"q": (4, 3), "k": (2, 3), "v": (2, 3), "embed": (3, 3), "o": (2, 4)}
@@ -163,3 +163,8 @@ def test_receiver_replays_rows_from_several_buckets_per_sender():
             assert torch.equal(p, q), (seed, name)
         assert receiver.replay is not None, receiver.problem
     assert [len(plan) for plan in receiver.plans] == [5, 5]
+    # q, k, v and embed rows land in place (received straight into the engine); o is a column
+    # slice (tensor parallel rank 1) of what arrives, so it is copied out of its buffer.
+    in_place = [[t is not f for t, f in zip(ts, fs)]
+                for ts, fs in zip(receiver.targets, receiver.flats)]
+    assert in_place == [[True, True, True, True, False]] * 2

@@ -15,12 +15,21 @@ def test_buckets_group_by_dtype_and_respect_the_size():
              TensorMeta("e", "torch.float32", (5,))]
     buckets = plan_buckets(metas, bucket_bytes=40 * 4)
     layout = [(b.dtype, [m.name for m, _ in b.entries], b.numel) for b in buckets]
-    assert layout == [("torch.float32", ["a", "c"], 40),
-                      ("torch.float32", ["d"], 100),  # larger than a bucket: its own
+    assert layout == [("torch.float32", ["d"], 100),  # larger than a bucket: its own, at once
+                      ("torch.float32", ["a", "c"], 40),
                       ("torch.float32", ["e"], 5),
                       ("torch.bfloat16", ["b"], 8)]
-    offsets = [off for m, off in buckets[0].entries]
+    offsets = [off for m, off in buckets[1].entries]
     assert offsets == [0, 10]
+
+
+def test_pieces_of_a_mib_travel_alone():
+    mib = (1 << 20) // 4  # float32 elements in 1 MiB
+    metas = [TensorMeta("big", "torch.float32", (mib,)), TensorMeta("x", "torch.float32", (8,)),
+             TensorMeta("almost", "torch.float32", (mib - 1,)),
+             TensorMeta("y", "torch.float32", (8,))]
+    buckets = plan_buckets(metas, bucket_bytes=64 << 20)
+    assert [[m.name for m, _ in b.entries] for b in buckets] == [["big"], ["x", "almost", "y"]]
 
 
 def test_meta_json_roundtrip():

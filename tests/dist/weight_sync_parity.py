@@ -73,8 +73,11 @@ def generator(rt, model_dir):
                                         for a, b in zip(before, greedy)]
             result["checksum_after"] = engine.checksum()
     result["checksum_after_2"] = engine.checksum()
-    result["replayed"] = engine.llm.collective_rpc(
-        lambda worker: worker._llamarl_receiver.replay is not None)[0]
+    result["replayed"], result["in_place"] = engine.llm.collective_rpc(
+        lambda worker: (worker._llamarl_receiver.replay is not None,
+                        sum(t is not f for ts, fs in zip(worker._llamarl_receiver.targets,
+                                                         worker._llamarl_receiver.flats)
+                            for t, f in zip(ts, fs))))[0]
     while rt.store.add("trainer/sent", 0) < 2:  # both trainer ranks counted their buckets
         time.sleep(0.01)
     result["buckets"] = rt.store.add("trainer/nbuckets", 0)
@@ -112,6 +115,12 @@ def compare_with_hf(model_dir, state_path, ids, greedy, sampled) -> tuple[bool, 
 
 
 if __name__ == "__main__":
+    import llamarl.parallel.weight_sync as weight_sync
+
+    # Pieces of 16 KiB and more travel alone and the engine receives them in place (the
+    # weight matrices of the tiny model); the small ones are packed, received into buffers
+    # and copied: both paths are checked.
+    weight_sync.SOLO_BYTES = 16 << 10
     model_dir = os.environ["MODEL_DIR"]
     cfg = load_config(None, [f"model.path={model_dir}", "generator.max_model_len=64",
                              "sync.bucket_mb=1",
