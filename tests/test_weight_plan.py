@@ -23,12 +23,14 @@ def test_buckets_group_by_dtype_and_respect_the_size():
     assert offsets == [0, 10]
 
 
-def test_pieces_of_a_mib_travel_alone():
-    mib = (1 << 20) // 4  # float32 elements in 1 MiB
-    metas = [TensorMeta("big", "torch.float32", (mib,)), TensorMeta("x", "torch.float32", (8,)),
-             TensorMeta("almost", "torch.float32", (mib - 1,)),
+def test_large_pieces_travel_alone():
+    from llamarl.parallel.weight_sync import SOLO_BYTES
+
+    solo = SOLO_BYTES // 4  # float32 elements
+    metas = [TensorMeta("big", "torch.float32", (solo,)), TensorMeta("x", "torch.float32", (8,)),
+             TensorMeta("almost", "torch.float32", (solo - 1,)),
              TensorMeta("y", "torch.float32", (8,))]
-    buckets = plan_buckets(metas, bucket_bytes=64 << 20)
+    buckets = plan_buckets(metas, bucket_bytes=4 * SOLO_BYTES)
     assert [[m.name for m, _ in b.entries] for b in buckets] == [["big"], ["x", "almost", "y"]]
 
 

@@ -191,6 +191,7 @@ class WeightSender:
         self.last_broadcast_s = 0.0
         # Where each tensor lives (module, attribute), resolved once: walking the module tree
         # and DTensor bookkeeping per sync cost ~0.5 ms for the tiny model.
+        self._model = model
         self._sources = [(name, *_owner(model, name), _kind(t))
                          for name, t in model_tensors(model, self.buffers).items()]
         self._flats = [torch.empty(b.numel, dtype=_DTYPES[b.dtype], device=device)
@@ -220,6 +221,7 @@ class WeightSender:
     def publish(self, model: torch.nn.Module, version: int | None) -> None:
         """Announce the version (trainer 0; None: not announced), snapshot the shards bucket
         by bucket and post each bucket's broadcast at once; returns without waiting for them."""
+        assert model is self._model, "a sender publishes the model it was built for"
         self.wait()  # the previous sync's buffers are free again
         if self.rank == 0 and version is not None:
             assert self.store is not None, "trainer 0 announces versions in the job store"
