@@ -1,13 +1,27 @@
 """Weight sync vs a raw broadcast of the same bytes between the same processes.
 
 Launched by torchrun with 3 ranks (2 FSDP2 trainer ranks + 1 vLLM generator), through
-llamarl's own runtime. Per round, timed on trainer 0 until the generator confirms:
-  sync: every trainer rank packs its FSDP2 shards and broadcasts them on its own group; the
-        engine receives all, reassembles the rows and runs load_weights: everything a real
+llamarl's own runtime. Per round, timed on trainer 0 from the start of the publish until the
+generator confirms through the store:
+  sync: the training loop's path: every trainer rank publishes (trainer 0 announces the
+        version in the store; each rank packs its FSDP2 shards and broadcasts them on its own
+        group); the generator, blocked in WeightFollower.follow as between generation
+        batches, wakes on the announcement, receives every bucket, writes the weights into
+        the engine and resets the prefix cache (the weights are usable): everything a real
         sync costs;
-  raw:  trainer 0 broadcasts one flat uint8 tensor of the model's byte count to the generator
-        on the same group.
-Reports medians and raw_s / sync_s (1.0 = the sync costs no more than moving the bytes).
+  raw:  the same transfers with nothing around them: trainer 0 announces in the store, and
+        every trainer rank broadcasts its shards' byte count (uint8) on its own group, in
+        parallel, in messages of sync.bucket_mb (the sync's buckets: on this machine 64 MB
+        messages move 1.4x faster than one 219 MB message); the generator, blocked on the
+        store key, wakes and receives them in the vLLM worker (collective_rpc);
+  raw_single: trainer 0 alone broadcasts every byte of the model in one message (the
+        baseline of the first measurements: a weaker one for large models).
+All end with the same acknowledgement (the generator sets a store key, trainer 0 waits on
+it). Every round first changes the weights (untimed); after the last round the engine's
+weights must sum to the trainer's. Round 0 is a warm-up (and the sync's round 0 records the
+engine's load_weights, see llamarl/parallel/load_replay.py). Reports medians and
+raw_s / sync_s (1.0 = the sync costs no more than moving the same bytes between the same
+processes the same way) and raw_single_s / sync_s.
 
     torchrun --standalone --nproc-per-node 3 bench/weight_sync.py --model tiny|100m
 """
@@ -56,13 +70,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="tiny", choices=["tiny", "100m"])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--bucket-mb", type=int, default=None, help="sync.bucket_mb (recipe default)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     env = from_environ()
     model_dir = os.environ.get("BENCH_MODEL_DIR", "")
     cfg = load_config(None, [f"model.path={model_dir or 'tiny:reverse'}",
                              f"run.output_dir={tempfile.gettempdir()}/llamarl-bench-runs",
-                             "generator.max_model_len=64", "generator.kv_cache_gib=0.1"])
+                             "generator.max_model_len=64", "generator.kv_cache_gib=0.1"]
+                      + ([f"sync.bucket_mb={args.bucket_mb}"] if args.bucket_mb else []))
     rt = setup(cfg, compute_layout(env.world_size, env.local_world_size, 2, 1, 1), env)
     if rt.role.role == "trainer":
         trainer(rt, args)
@@ -79,40 +95,69 @@ def trainer(rt, args) -> None:
     from llamarl.trainer.loop import init_trainer_group, open_weight_sender
     from llamarl.trainer.policy import load_policy
 
+    r = rt.role.index
     mesh = init_trainer_group(rt)
-    model_dir = build_model_dir(args.model) if rt.role.index == 0 else None
-    if rt.role.index == 0:
-        rt.store.set("bench/model", model_dir)
-    model_dir = rt.wait_key("bench/model")
-    model = load_policy(model_dir, "float32")
+    if r == 0:
+        rt.store.set("bench/model", build_model_dir(args.model))
+    model = load_policy(rt.wait_key("bench/model"), "float32")
     apply_fsdp(model, mesh, torch.float32)
     sender = open_weight_sender(rt, model)
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())  # full model
-    sync_s, raw_s, gather_s = [], [], []
-    for i in range(args.rounds + 1):  # round 0 warms up both paths
+    rt.store.set(f"bench/shard_bytes/{r}", str(sender.bytes_per_sync))
+    shares = [int(rt.wait_key(f"bench/shard_bytes/{t}")) for t in range(rt.layout.trainer_ranks)]
+    nbytes = sum(shares)  # the whole model: every trainer's shards
+    share = torch.ones(shares[r], dtype=torch.uint8)
+    chunk = rt.cfg.sync.bucket_mb << 20  # the sync's largest message
+    opts = torch.distributed.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = 0, 0
+    whole = torch.ones(nbytes, dtype=torch.uint8) if r == 0 else None
+    sync_s, raw_s, raw_single_s, publish_s = [], [], [], []
+    for i in range(args.rounds + 1):  # round 0 warms up every path
+        with torch.no_grad():  # new weights every round, as after an optimizer step
+            for p in model.parameters():
+                p.add_(1e-3)
         torch.distributed.barrier()
         t0 = time.perf_counter()
-        sender.send(model)  # pack and broadcast, pipelined per bucket
+        sender.publish(model, version=i + 1)  # as the training loop does after a step
         t1 = time.perf_counter()
-        if rt.role.index == 0:
+        if r == 0:
             rt.wait_key(f"bench/loaded/{i}")
             sync_s.append(time.perf_counter() - t0)
-            gather_s.append(t1 - t0)  # this rank packs + sends its shards
+            publish_s.append(t1 - t0)  # what the training loop waits for
+        sender.wait()
 
-            rt.store.set(f"bench/raw/{i}", str(nbytes))
-            flat = torch.ones(nbytes, dtype=torch.uint8)
-            t0 = time.perf_counter()
-            broadcast(sender.group, flat, root=0)
+        torch.distributed.barrier()  # raw: every trainer its share, in parallel, in chunks
+        t0 = time.perf_counter()
+        if r == 0:
+            rt.store.set(f"bench/raw/{i}", json.dumps([shares, chunk]))
+        works = [sender.group.broadcast([c], opts) for c in share.split(chunk)]
+        for work in works:
+            work.wait()
+        if r == 0:
             rt.wait_key(f"bench/raw_done/{i}")
             raw_s.append(time.perf_counter() - t0)
-    if rt.role.index == 0:
-        s, r = statistics.median(sync_s[1:]), statistics.median(raw_s[1:])
-        report = {"model": args.model, "bytes": nbytes, "trainer_ranks": 2,
-                  "rounds": args.rounds, "sync_s": s, "raw_s": r,
-                  "send_s": statistics.median(gather_s[1:]),
+
+            t0 = time.perf_counter()  # raw, single sender: trainer 0 sends every byte at once
+            rt.store.set(f"bench/raw_single/{i}", json.dumps([[nbytes], nbytes]))
+            broadcast(sender.group, whole, root=0)
+            rt.wait_key(f"bench/raw_single_done/{i}")
+            raw_single_s.append(time.perf_counter() - t0)
+    with torch.no_grad():  # a collective: both trainer ranks
+        checksum = sum(float(p.full_tensor().double().sum()) for p in model.parameters())
+    if r == 0:
+        engine_sum = float(rt.wait_key("bench/checksum"))
+        if abs(engine_sum - checksum) > 1e-9 * max(1.0, abs(checksum)):
+            raise RuntimeError(f"the engine's weights differ from the trainer's after the last "
+                               f"sync: sum {engine_sum} vs {checksum}")
+        med = {k: statistics.median(v[1:]) for k, v in (
+            ("sync_s", sync_s), ("raw_s", raw_s), ("raw_single_s", raw_single_s),
+            ("publish_s", publish_s))}
+        report = {"model": args.model, "bytes": nbytes, "trainer_ranks": rt.layout.trainer_ranks,
+                  "bucket_mb": rt.cfg.sync.bucket_mb, "rounds": args.rounds, **med,
                   "load_s": float(rt.wait_key("bench/load_s")),
-                  "sync_bytes_per_s": nbytes / s,
-                  "raw_bytes_per_s": nbytes / r, "ratio_raw_over_sync": r / s}
+                  "sync_bytes_per_s": nbytes / med["sync_s"],
+                  "raw_bytes_per_s": nbytes / med["raw_s"],
+                  "ratio_raw_over_sync": med["raw_s"] / med["sync_s"],
+                  "ratio_raw_single_over_sync": med["raw_single_s"] / med["sync_s"]}
         print("WEIGHT_SYNC " + json.dumps(report), flush=True)
         if args.out:
             Path(args.out).write_text(json.dumps(report))
@@ -121,20 +166,32 @@ def trainer(rt, args) -> None:
 
 def generator(rt, args) -> None:
     from llamarl.generator.engine import Engine
-    from llamarl.generator.loop import join_weight_groups
+    from llamarl.generator.loop import WeightFollower, join_weight_groups
+    from llamarl.timeline import Timeline
 
-    model_dir = rt.wait_key("bench/model")
-    engine = Engine(model_dir, rt.cfg.generator, "float32", seed=0, on_cpu=rt.on_cpu)
+    engine = Engine(rt.wait_key("bench/model"), rt.cfg.generator, "float32", seed=0,
+                    on_cpu=rt.on_cpu)
     join_weight_groups(rt, engine)
     load_s = []
-    for i in range(args.rounds + 1):
+    receive_weights = engine.receive_weights
+
+    def receive_and_confirm() -> None:
+        """The follower's receive; the weights are usable in the engine when it returns."""
         t0 = time.perf_counter()
-        engine.receive_weights()
+        receive_weights()
         load_s.append(time.perf_counter() - t0)
-        rt.store.set(f"bench/loaded/{i}", "1")
-        nbytes = int(rt.wait_key(f"bench/raw/{i}"))
-        engine.llm.collective_rpc("llamarl_receive_raw", args=(nbytes,))
-        rt.store.set(f"bench/raw_done/{i}", "1")
+        rt.store.set(f"bench/loaded/{len(load_s) - 1}", "1")
+
+    engine.receive_weights = receive_and_confirm
+    weights = WeightFollower(rt, engine, None, Timeline(rt.run_dir, rt.role.rank, rt.role.name))
+    for i in range(args.rounds + 1):
+        weights.follow(need=i + 1)
+        assert weights.version == i + 1, (weights.version, i)
+        for raw in ("raw", "raw_single"):
+            sizes, chunk = json.loads(rt.wait_key(f"bench/{raw}/{i}"))
+            engine.llm.collective_rpc("llamarl_receive_raw", args=(sizes, chunk))
+            rt.store.set(f"bench/{raw}_done/{i}", "1")
+    rt.store.set("bench/checksum", str(engine.checksum()))  # the last sync's weights
     rt.store.set("bench/load_s", str(statistics.median(load_s[1:])))  # receive + load + reset
     rt.wait_key("bench/done")
 

@@ -15,12 +15,23 @@ def test_buckets_group_by_dtype_and_respect_the_size():
              TensorMeta("e", "torch.float32", (5,))]
     buckets = plan_buckets(metas, bucket_bytes=40 * 4)
     layout = [(b.dtype, [m.name for m, _ in b.entries], b.numel) for b in buckets]
-    assert layout == [("torch.float32", ["a", "c"], 40),
-                      ("torch.float32", ["d"], 100),  # larger than a bucket: its own
+    assert layout == [("torch.float32", ["d"], 100),  # larger than a bucket: its own, at once
+                      ("torch.float32", ["a", "c"], 40),
                       ("torch.float32", ["e"], 5),
                       ("torch.bfloat16", ["b"], 8)]
-    offsets = [off for m, off in buckets[0].entries]
+    offsets = [off for m, off in buckets[1].entries]
     assert offsets == [0, 10]
+
+
+def test_large_pieces_travel_alone():
+    from llamarl.parallel.weight_sync import SOLO_BYTES
+
+    solo = SOLO_BYTES // 4  # float32 elements
+    metas = [TensorMeta("big", "torch.float32", (solo,)), TensorMeta("x", "torch.float32", (8,)),
+             TensorMeta("almost", "torch.float32", (solo - 1,)),
+             TensorMeta("y", "torch.float32", (8,))]
+    buckets = plan_buckets(metas, bucket_bytes=4 * SOLO_BYTES)
+    assert [[m.name for m, _ in b.entries] for b in buckets] == [["big"], ["x", "almost", "y"]]
 
 
 def test_meta_json_roundtrip():

@@ -1,4 +1,5 @@
-"""After a sync the vLLM engine computes what the trainer's model computes."""
+"""After a sync the vLLM engine computes what the trainer's model computes: both after the first
+sync (vLLM's load_weights, recorded) and after the second (the recorded copies, replayed)."""
 
 import json
 
@@ -16,3 +17,6 @@ def test_weight_broadcast_parity_with_fsdp2_trainers(tmp_path, tiny_model_dir):
     assert r["max_abs_dlogprob"] <= 1e-3, r
     assert r["checksum_after"] != r["checksum_before"]
     assert any(r["changed_tokens"]), "the sync must change what the engine generates"
+    assert r["replayed"], "the second sync replays the recorded copies"
+    assert 0 < r["in_place"] < r["buckets"], "some buckets are received in place, some copied"
+    assert r["checksum_after_2"] != r["checksum_after"], "the replayed sync changes the weights"

@@ -30,12 +30,12 @@ from llamarl.data.loader import PromptLoader, shard
 from llamarl.data.prompts import PromptFormatter
 from llamarl.generator.engine import Engine, EngineWorld
 from llamarl.launch.runtime import Runtime, free_port, log
-from llamarl.parallel.weight_sync import pending_broadcasts
+from llamarl.parallel.weight_sync import announced_version, wait_for_broadcast
 from llamarl.rewards.dynamic_sampling import collect_groups
 from llamarl.rewards.scorer import RewardScorer, ScoredGroup, score_groups
 from llamarl.timeline import Timeline
 
-_POLL_S = 0.005
+_WAIT_S = 1.0  # longest blind wait for an announcement: the watchdog is checked in between
 
 
 def _engine_world(rt: Runtime) -> EngineWorld | None:
@@ -178,29 +178,33 @@ class WeightFollower:
             self.final = int(self.rt.store.get("trainer/final_version"))
         return self.final is not None
 
-    def _receive_pending(self) -> None:
-        for v in pending_broadcasts(self.rt.store, self.received):
-            with self.timeline.phase("load_weights", v):
-                self.engine.receive_weights()
-            self.received += 1
-            self.version = v
-            if self.next_eval is not None and v >= self.next_eval:
-                self.evaluator.run(step=v, version=v)
-                self.evaluated.add(v)
-                while self.next_eval <= v:
-                    self.next_eval += self.rt.cfg.run.eval_every
+    def _load(self, v: int) -> None:
+        with self.timeline.phase("load_weights", v):
+            self.engine.receive_weights()
+        self.received += 1
+        self.version = v
+        if self.next_eval is not None and v >= self.next_eval:
+            self.evaluator.run(step=v, version=v)
+            self.evaluated.add(v)
+            while self.next_eval <= v:
+                self.next_eval += self.rt.cfg.run.eval_every
 
     def follow(self, need: int) -> bool:
         """Load announced weights until version >= need. False once the trainer is done and
         its final weights are loaded (no more batches are needed)."""
         while True:
-            self._receive_pending()
+            while (v := announced_version(self.rt.store, self.received)) is not None:
+                self._load(v)  # every announced broadcast, in order (the senders wait for it)
             if self.trainer_done() and self.version >= self.final:
                 return False
             if self.version >= need:
                 return True
             self.rt.watchdog.check()
-            time.sleep(_POLL_S)
+            # Woken by the store the moment trainer 0 announces the next broadcast: no
+            # polling sleep between the announcement and posting the receives.
+            v = wait_for_broadcast(self.rt.store, self.received, _WAIT_S)
+            if v is not None:
+                self._load(v)
 
     def finish(self) -> None:
         """Final weights loaded: evaluate them (the trainer's summary waits for this)."""

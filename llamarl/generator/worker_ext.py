@@ -33,17 +33,27 @@ class LlamarlWorkerExtension:
 
     def llamarl_receive_weights(self) -> int:
         """Receive one full set of weights from the trainer and load it into the model."""
-        model = self.model_runner.model
-        return self._llamarl_receiver.receive(model.load_weights)
+        return self._llamarl_receiver.receive(self.model_runner.model)
 
-    def llamarl_receive_raw(self, nbytes: int) -> int:
-        """Receive one flat broadcast of `nbytes` on the weight group and discard it: the raw
-        link speed that a weight sync is measured against (bench/weight_sync.py)."""
-        from llamarl.parallel.groups import broadcast
-
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=self._llamarl_receiver.device)
-        broadcast(self._llamarl_receiver.groups[0], buf, root=0)
-        return nbytes
+    def llamarl_receive_raw(self, nbytes: list[int], chunk_bytes: int) -> int:
+        """Receive nbytes[r] bytes from each trainer rank r on its weight group, in broadcasts
+        of at most `chunk_bytes`, all posted at once, and discard them: the raw transfer that
+        a weight sync is measured against (bench/weight_sync.py)."""
+        receiver = self._llamarl_receiver
+        if not hasattr(self, "_llamarl_raw"):
+            self._llamarl_raw = {}  # receive buffers by sizes, reused like the weights' ones
+        key = tuple(nbytes)
+        if key not in self._llamarl_raw:
+            self._llamarl_raw[key] = [torch.empty(n, dtype=torch.uint8, device=receiver.device)
+                                      for n in nbytes]
+        opts = torch.distributed.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        works = [group.broadcast([chunk], opts)
+                 for group, buf in zip(receiver.groups, self._llamarl_raw[key])
+                 for chunk in buf.split(chunk_bytes)]
+        for work in works:
+            work.wait()
+        return sum(nbytes)
 
     def llamarl_state_checksum(self) -> float:
         """Sum of all parameters: a cheap check that weights changed (tests)."""

@@ -6,33 +6,36 @@ its local shards on its own group `wsync<r>` = [trainer r, every generator rank]
 generator puts the rows back together. Every byte crosses the wire once, and the T trainer
 links work in parallel.
 
-Per sync, on trainer r (all T in lockstep with the same version):
-    flat_b[off_i : off_i + n_i] = local shard of tensor i  (bucket b: one dtype, <= bucket_mb)
-    broadcast(flat_b, root=r on wsync<r>)                  for every bucket, in a thread
-and on each generator worker:
-    receive all buckets of all T senders (asynchronously, then wait)
-    full_i = cat(rows of tensor i from every sender, dim 0); load_weights([(name_i, full_i)])
+Per sync i, on trainer r (all T in lockstep with the same version):
+    trainer 0: store `wsync/version/<i>` = policy version        (one key: the announcement)
+    flat_b[off_j : off_j + n_j] = local shard of tensor j        (bucket b: one dtype,
+    post broadcast(flat_b, root=r on wsync<r>)                     <= bucket_mb; in order)
+and on each generator worker, woken by the announcement:
+    post the receives of all buckets of all T senders into the receive buffers
+    as each bucket arrives: write its rows into the engine's parameters
+(see WeightReceiver: the first sync goes through vLLM's load_weights and is recorded, later
+ones replay the recorded copies straight from the receive buffers).
 
 Each sender publishes its shard layout once (`wsync/meta/<r>`: name, dtype, full shape, rows,
-first row); replicated tensors (or a model without FSDP2) are sent by trainer 0 alone. Trainer
-0 announces broadcast i in the store (`wsync/count` = i + 1, `wsync/version/<i>` = policy
-version) before sending it, so a generator can see between two generation batches that
-weights are waiting, and receive every broadcast in order.
+first row); replicated tensors (or a model without FSDP2) are sent by trainer 0 alone. The
+announcement comes before the broadcast, so a generator waiting between two generation
+batches posts its receives while the trainers pack, and receives every broadcast in order.
+Send and receive buffers are allocated once: one sync is in flight at a time.
 """
 
 from __future__ import annotations
 
 import json
-import queue
-import threading
+import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from llamarl.parallel.groups import broadcast
+from llamarl.parallel.load_replay import LoadRecorder, split_rows, storage_id
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
                                torch.int64, torch.int32, torch.uint8, torch.int8, torch.bool)}
@@ -76,9 +79,18 @@ class Bucket:
     numel: int
 
 
+# A piece this large travels in a message of its own, so that the receiver can post that
+# message straight into the engine parameter it ends up in (see WeightReceiver), saving a
+# copy of it. Not smaller: on this 2-core CPU, gloo moves 219 MB as 16 MB messages ~15%
+# slower than as 64 MB ones, and as 1-3 MB messages (every weight matrix of a 110M model
+# alone) the sync got slower overall although it copied nothing.
+SOLO_BYTES = 16 << 20
+
+
 def plan_buckets(metas: list[TensorMeta], bucket_bytes: int) -> list[Bucket]:
     """Group tensors by dtype (first-seen order), then pack each group into buckets of at most
-    `bucket_bytes` (a larger tensor gets a bucket of its own). Empty pieces are skipped."""
+    `bucket_bytes`; a piece of at least min(bucket_bytes, SOLO_BYTES) gets a bucket of its own.
+    Empty pieces are skipped."""
     by_dtype: dict[str, list[TensorMeta]] = {}
     for m in metas:
         if m.numel:
@@ -87,9 +99,13 @@ def plan_buckets(metas: list[TensorMeta], bucket_bytes: int) -> list[Bucket]:
     for dtype, group in by_dtype.items():
         itemsize = torch.empty((), dtype=_DTYPES[dtype]).element_size()
         cap = max(1, bucket_bytes // itemsize)
+        solo = max(1, min(bucket_bytes, SOLO_BYTES) // itemsize)
         entries: list[tuple[TensorMeta, int]] = []
         used = 0
         for m in group:
+            if m.numel >= solo:
+                buckets.append(Bucket(dtype, ((m, 0),), m.numel))
+                continue
             if entries and used + m.numel > cap:
                 buckets.append(Bucket(dtype, tuple(entries), used))
                 entries, used = [], 0
@@ -152,9 +168,13 @@ def local_pieces(model: torch.nn.Module, rank: int,
 class WeightSender:
     """Runs on every trainer rank r and sends r's shards on group `wsync<r>` (group rank 0).
 
-    `send` packs and broadcasts inline; `publish` packs inline and broadcasts from a
-    background thread (one sync in flight at a time). All trainer ranks publish the same
-    versions in the same order; trainer 0 announces them in `store`.
+    `publish` copies the shards into the send buffers (a snapshot: training may go on) and
+    posts one asynchronous broadcast per bucket, as soon as the bucket is packed; the process
+    group's own threads send them. `wait` blocks until they are sent; one sync is in flight at
+    a time, so the send buffers are allocated once and reused. All trainer ranks publish the
+    same versions in the same order; trainer 0 announces broadcast i in `store` as one key,
+    `wsync/version/<i>` = policy version, before sending it, so a generator waiting for that
+    key posts its receives while the first bucket is being packed.
     """
 
     def __init__(self, model: torch.nn.Module, rank: int, bucket_mb: int,
@@ -169,24 +189,29 @@ class WeightSender:
         self.bytes_per_sync = sum(b.numel * torch.empty((), dtype=_DTYPES[b.dtype]).element_size()
                                   for b in self.buckets)
         self.last_broadcast_s = 0.0
-        self._queue: queue.Queue = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        # Where each tensor lives (module, attribute), resolved once: walking the module tree
+        # and DTensor bookkeeping per sync cost ~0.5 ms for the tiny model.
+        self._model = model
+        self._sources = [(name, *_owner(model, name), _kind(t))
+                         for name, t in model_tensors(model, self.buffers).items()]
+        self._flats = [torch.empty(b.numel, dtype=_DTYPES[b.dtype], device=device)
+                       for b in self.buckets]
+        self._slots = [[(m.name, flat[off:off + m.numel].view(m.piece_shape))
+                        for m, off in b.entries] for b, flat in zip(self.buckets, self._flats)]
+        self._works: list[dist.Work] = []
+        self._announced = 0
 
-    def pack(self, model: torch.nn.Module) -> Iterator[torch.Tensor]:
-        """This rank's shards copied into flat per-bucket buffers (a snapshot), bucket by
-        bucket, so the broadcast of one bucket can overlap the packing of the next."""
-        pieces = {m.name: t for m, t in local_pieces(model, self.rank, self.buffers)}
-        for bucket in self.buckets:
-            flat = torch.empty(bucket.numel, dtype=_DTYPES[bucket.dtype], device=self.device)
-            for meta, off in bucket.entries:
-                flat[off:off + meta.numel].copy_(pieces[meta.name].detach().reshape(-1))
-            yield flat
-
-    def _start_thread(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="llamarl-wsync", daemon=True)
-            self._thread.start()
+    def _local_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's piece of every tensor, by name (same pieces as `local_pieces`)."""
+        out = {}
+        for name, module, attr, kind in self._sources:
+            t = getattr(module, attr)
+            if kind == "shard":
+                t = t.to_local()
+            elif kind == "replicated":  # a collective: every rank calls it, in the same order
+                t = t.full_tensor()
+            out[name] = t
+        return out
 
     def send(self, model: torch.nn.Module) -> None:
         """Pack and broadcast now (pipelined bucket by bucket); returns when all is sent."""
@@ -194,50 +219,84 @@ class WeightSender:
         self.wait()
 
     def publish(self, model: torch.nn.Module, version: int | None) -> None:
-        """Snapshot now (the broadcast of packed buckets starts at once), announce the version
-        (trainer 0; None: not announced), and finish the broadcast in the background."""
-        self.wait()  # one sync in flight: bounds memory to one extra copy of the shards
+        """Announce the version (trainer 0; None: not announced), snapshot the shards bucket
+        by bucket and post each bucket's broadcast at once; returns without waiting for them."""
+        assert model is self._model, "a sender publishes the model it was built for"
+        self.wait()  # the previous sync's buffers are free again
         if self.rank == 0 and version is not None:
             assert self.store is not None, "trainer 0 announces versions in the job store"
-            index = self.store.add("wsync/count", 0)
-            self.store.set(f"wsync/version/{index}", str(version))
-            self.store.add("wsync/count", 1)
-        self._start_thread()
-        self._t0 = time.perf_counter()
-        for flat in self.pack(model):
-            self._queue.put(flat)
-        self._queue.put(None)  # end of this sync
-
-    def _run(self) -> None:
-        while True:
-            flat = self._queue.get()
-            try:
-                if flat is None:
-                    self.last_broadcast_s = time.perf_counter() - self._t0
-                elif self._error is None:
-                    broadcast(self.group, flat, root=0)
-            except BaseException as e:  # surfaced to the main thread by wait()
-                self._error = e
-            finally:
-                self._queue.task_done()
+            self.store.set(f"wsync/version/{self._announced}", str(version))
+            self._announced += 1
+        t0 = time.perf_counter()
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        with torch.no_grad():
+            local = self._local_tensors()
+            for slots, flat in zip(self._slots, self._flats):
+                pieces = [local[name] for name, _ in slots]
+                for (name, slot), piece in zip(slots, pieces):
+                    assert piece.shape == slot.shape, (name, piece.shape, slot.shape)
+                torch._foreach_copy_([slot for _, slot in slots], pieces)
+                self._works.append(self.group.broadcast([flat], opts))
+        futures = [w.get_future() for w in self._works]
+        if futures:
+            done = futures[0] if len(futures) == 1 else torch.futures.collect_all(futures)
+            done.then(lambda _: setattr(self, "last_broadcast_s", time.perf_counter() - t0))
 
     def wait(self) -> None:
         """Block until the sync in flight (if any) has been sent."""
-        if self._thread is not None:
-            self._queue.join()
-        if self._error is not None:
-            raise RuntimeError(f"weight broadcast failed: {self._error}") from self._error
+        works, self._works = self._works, []
+        try:
+            for w in works:
+                w.wait()
+        except BaseException as e:
+            raise RuntimeError(f"weight broadcast failed: {e}") from e
 
 
-def pending_broadcasts(store, received: int) -> list[int]:
-    """Policy versions of the broadcasts announced after the first `received` ones."""
-    count = store.add("wsync/count", 0)
-    return [int(store.get(f"wsync/version/{i}")) for i in range(received, count)]
+def _kind(t: torch.Tensor) -> str:
+    """How a trainer rank gets its piece of `t` (as in local_pieces)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(t, DTensor):
+        return "plain"
+    return "shard" if tuple(t.placements) == (Shard(0),) else "replicated"
+
+
+def _owner(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
+    path, _, attr = name.rpartition(".")
+    return model.get_submodule(path), attr
+
+
+def announced_version(store, index: int) -> int | None:
+    """Policy version of broadcast number `index`, or None if it is not announced yet."""
+    key = f"wsync/version/{index}"
+    return int(store.get(key)) if store.check([key]) else None
+
+
+def wait_for_broadcast(store, index: int, timeout_s: float) -> int | None:
+    """Block until broadcast number `index` is announced and return its policy version, or
+    None after `timeout_s`."""
+    key = f"wsync/version/{index}"
+    try:
+        store.wait([key], timedelta(seconds=timeout_s))
+    except dist.DistStoreError:
+        return None
+    return int(store.get(key))
 
 
 class WeightReceiver:
-    """Runs in each generator (vLLM worker) process: receive every sender's buckets, put the
-    rows of each tensor back together, hand full tensors to `load`."""
+    """Runs in each generator (vLLM worker) process: receive every sender's buckets into
+    receive buffers (allocated once, reused every sync), and write them into the engine.
+
+    First sync: the rows of each tensor are put together and handed to one
+    `model.load_weights` call, recorded by `LoadRecorder`. Later syncs replay the recorded
+    copies straight from the receive buffers into the engine's parameters, one
+    `torch._foreach_copy_` per bucket as it arrives (rows of a sharded tensor go from each
+    sender's buffer to their place, without being put together first). A bucket whose one
+    recorded copy moves it whole into a contiguous engine region of the same dtype (a piece
+    that travels alone, see SOLO_BYTES, loaded as is) is received in place: no copy at all.
+    If the load cannot be replayed (see load_replay), every sync calls load_weights.
+    """
 
     def __init__(self, metas_by_sender: list[list[TensorMeta]], bucket_mb: int,
                  groups: list[dist.ProcessGroup], device: torch.device):
@@ -247,47 +306,129 @@ class WeightReceiver:
         self.device = device
         self.order = [m.name for m in metas_by_sender[0]]  # checkpoint order
         self.full = {m.name: m for ms in metas_by_sender for m in ms}
+        self.flats = [[torch.empty(b.numel, dtype=_DTYPES[b.dtype], device=device) for b in plan]
+                      for plan in self.plans]
+        # name -> [(sender, bucket index, rows [row0, row0 + rows) as a view of its buffer)]
+        self.pieces: dict[str, list[tuple[int, int, TensorMeta, torch.Tensor]]] = {}
+        for s, plan in enumerate(self.plans):
+            for b, bucket in enumerate(plan):
+                for meta, off in bucket.entries:
+                    view = self.flats[s][b][off:off + meta.numel].view(meta.piece_shape)
+                    self.pieces.setdefault(meta.name, []).append((s, b, meta, view))
+        for parts in self.pieces.values():
+            parts.sort(key=lambda p: p[2].row0)
+        self.replay: list[list[tuple[list, list]]] | None = None  # [sender][bucket] (dsts, srcs)
+        self.targets = self.flats  # [sender][bucket]: where a replayed sync receives it
+        self.fills: list[tuple[torch.Tensor, float]] = []
+        self.watch: list[tuple[torch.Tensor, int]] = []  # engine tensors and their addresses
+        self.problem: str | None = None  # why loads are not replayed
 
-    def receive(self, load: Callable[[Iterable[tuple[str, torch.Tensor]]], object]) -> int:
-        """Receive one full set of weights; returns the number of tensors loaded.
+    def _post(self, targets: list[list[torch.Tensor]]) -> list[list[dist.Work]]:
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        return [[group.broadcast([t], opts) for t in sender_targets]
+                for group, sender_targets in zip(self.groups, targets)]
 
-        Every sender's buckets are posted at once; they are awaited round-robin over senders,
-        and each tensor is loaded as soon as all its row pieces have arrived, so loading
-        overlaps the rest of the transfer."""
-        posted = []
-        for group, plan in zip(self.groups, self.plans):
-            ops = []
-            for bucket in plan:
-                flat = torch.empty(bucket.numel, dtype=_DTYPES[bucket.dtype], device=self.device)
-                opts = dist.BroadcastOptions()
-                opts.rootRank, opts.rootTensor = 0, 0
-                ops.append((group.broadcast([flat], opts), bucket, flat))
-            posted.append(ops)
-        expected = {name: 0 for name in self.order}
-        for plan in self.plans:
-            for bucket in plan:
-                for meta, _ in bucket.entries:
-                    expected[meta.name] += 1
-        pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
-        loaded = 0
-        for i in range(max(len(ops) for ops in posted)):
+    def receive(self, model: torch.nn.Module) -> int:
+        """Receive one full set of weights into `model` (a vLLM model: `load_weights`);
+        returns the number of tensors written."""
+        if self.replay is not None and any(t.data_ptr() != p for t, p in self.watch):
+            self.replay, self.targets = None, self.flats  # the engine moved: record again
+        if self.replay is not None:
+            works = self._post(self.targets)
+            with torch.no_grad():
+                for dst, value in self.fills:
+                    dst.fill_(value)
+                for b in range(max(len(w) for w in works)):  # round robin over senders
+                    for s, sender_works in enumerate(works):
+                        if b < len(sender_works):
+                            sender_works[b].wait()
+                            dsts, srcs = self.replay[s][b]
+                            if dsts:
+                                torch._foreach_copy_(dsts, srcs)
+            return len(self.order)
+        works = self._post(self.flats)
+        if self.problem is not None:
+            model.load_weights(self._arrivals(works))
+            return len(self.order)
+        engine = list(model.parameters()) + list(model.buffers())
+        recorder = LoadRecorder(engine, [f for flats in self.flats for f in flats])
+        assembled: dict[int, tuple[str, torch.Tensor]] = {}
+        with recorder:
+            model.load_weights(self._arrivals(works, recorder, assembled))
+        self.problem = recorder.problem or self._plan_replay(recorder, assembled)
+        if self.problem is not None:
+            self.replay = None
+            print(f"llamarl: weight syncs call model.load_weights every time: {self.problem}",
+                  file=sys.stderr, flush=True)
+        else:
+            self.fills, self.watch = recorder.fills, recorder.watch
+        return len(self.order)
+
+    def _arrivals(self, works, recorder: LoadRecorder | None = None,
+                  assembled: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) as soon as all its rows have arrived; buckets are awaited round
+        robin over senders, so loading overlaps the rest of the transfer."""
+        count = {name: 0 for name in self.order}
+        for b in range(max(len(w) for w in works)):
             ready = []
-            for ops in posted:
-                if i < len(ops):
-                    work, bucket, flat = ops[i]
-                    work.wait()
-                    for meta, off in bucket.entries:
-                        view = flat[off:off + meta.numel].view(meta.piece_shape)
-                        pieces.setdefault(meta.name, []).append((meta.row0, view))
-                        if len(pieces[meta.name]) == expected[meta.name]:
+            for s, sender_works in enumerate(works):
+                if b < len(sender_works):
+                    sender_works[b].wait()
+                    for meta, _ in self.plans[s][b].entries:
+                        count[meta.name] += 1
+                        if count[meta.name] == len(self.pieces[meta.name]):
                             ready.append(meta.name)
-            load(_assembled(ready, pieces))
-            loaded += len(ready)
-        assert loaded == len(self.order), (loaded, len(self.order))
-        return loaded
+            for name in ready:
+                parts = [view for _, _, _, view in self.pieces[name]]
+                if len(parts) == 1:
+                    yield name, parts[0]
+                    continue
+                if recorder is None:
+                    yield name, torch.cat(parts)
+                    continue
+                with recorder.paused():
+                    full = torch.cat(parts)
+                recorder.add_received(full)
+                assembled[storage_id(full)] = (name, full)
+                yield name, full
 
+    def _plan_replay(self, recorder: LoadRecorder, assembled: dict) -> str | None:
+        """Group the recorded copies by the bucket their data arrives in; None if all map."""
+        flat_of = {storage_id(f): (s, b) for s, flats in enumerate(self.flats)
+                   for b, f in enumerate(flats)}
+        replay = [[([], []) for _ in plan] for plan in self.plans]
+        for dst, src in recorder.copies:
+            sid = storage_id(src)
+            if sid in flat_of:  # a tensor that one sender sends whole
+                s, b = flat_of[sid]
+                parts = [((s, b), dst, src)]
+            else:  # a sharded tensor: take each sender's rows from its own buffer
+                name, full = assembled[sid]
+                parts = split_rows(dst, src, full, [((s, b), meta.row0, view)
+                                                    for s, b, meta, view in self.pieces[name]])
+                if parts is None:
+                    return f"load_weights reads {name} in a way that does not follow its rows"
+            for (s, b), d, v in parts:
+                replay[s][b][0].append(d)
+                replay[s][b][1].append(v)
+        self.targets = [list(flats) for flats in self.flats]
+        for s, b in [(s, b) for s, flats in enumerate(self.flats) for b in range(len(flats))]:
+            region = self._in_place(self.flats[s][b], *replay[s][b])
+            if region is not None:
+                self.targets[s][b], replay[s][b] = region, ([], [])
+        self.replay = replay
+        return None
 
-def _assembled(names: list[str], pieces: dict) -> Iterator[tuple[str, torch.Tensor]]:
-    for name in names:
-        parts = sorted(pieces.pop(name), key=lambda p: p[0])
-        yield name, (parts[0][1] if len(parts) == 1 else torch.cat([p for _, p in parts]))
+    @staticmethod
+    def _in_place(flat: torch.Tensor, dsts: list, srcs: list) -> torch.Tensor | None:
+        """The engine region that bucket `flat` can be received into directly, if its
+        replay is one plain copy of the whole buffer into a contiguous region."""
+        if len(dsts) != 1:
+            return None
+        dst, src = dsts[0], srcs[0]
+        whole = (src.data_ptr() == flat.data_ptr() and src.numel() == flat.numel()
+                 and src.is_contiguous())
+        if whole and dst.is_contiguous() and dst.dtype == flat.dtype and dst.device == flat.device:
+            return dst.view(-1)
+        return None

@@ -1,7 +1,8 @@
 """torchrun --nproc-per-node 3 (2 FSDP2 trainer ranks + 1 vLLM generator), via llamarl's own
-runtime. The trainers change the policy with real optimizer steps and broadcast it; the
-generator compares its engine with the trainer's model before and after the sync and writes
-the findings to $OUT (JSON)."""
+runtime. The trainers change the policy with real optimizer steps and broadcast it, twice; the
+generator compares its engine with the trainer's model before and after each sync and writes
+the findings to $OUT (JSON). The first sync goes through vLLM's load_weights (and records it),
+the second replays the recorded copies straight from the receive buffers."""
 
 import json
 import os
@@ -31,23 +32,22 @@ def trainer(rt, model_dir):
     apply_fsdp(model, mesh, torch.float32)
     sender = open_weight_sender(rt, model)  # each trainer rank sends its own shards
     rt.wait_key("gen/before_done")
-    pt = PolicyTrainer(model, rt.cfg.trainer, 5, 2, rt.device)
-    for step in range(5):  # supervised steps: a real, large change of every weight
-        mbs = sft_batches(tok, step, rt.role.index, 2, micro=32)
-        n = float(sum(mb.mask.sum() for mb in mbs)) * 2
-        pt.step(mbs, lambda logp, mb, i, _ent: (-(logp * mb.mask).sum() / n, {}))
-    sender.send(model)
-    state = {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
-    if rt.role.index == 0:
-        torch.save(state, os.environ["OUT"] + ".pt")
-        rt.store.set("trainer/saved", "1")
+    pt = PolicyTrainer(model, rt.cfg.trainer, 8, 2, rt.device)
+    for sync, steps in ((1, range(5)), (2, range(5, 8))):
+        for step in steps:  # supervised steps: a real, large change of every weight
+            mbs = sft_batches(tok, step, rt.role.index, 2, micro=32)
+            n = float(sum(mb.mask.sum() for mb in mbs)) * 2
+            pt.step(mbs, lambda logp, mb, i, _ent: (-(logp * mb.mask).sum() / n, {}))
+        sender.send(model)
+        state = {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
+        if rt.role.index == 0:
+            torch.save(state, os.environ["OUT"] + f".{sync}.pt")
+            rt.store.set(f"trainer/saved/{sync}", "1")
     rt.store.add("trainer/nbuckets", len(sender.buckets))
     rt.store.add("trainer/sent", 1)
 
 
 def generator(rt, model_dir):
-    from transformers import AutoModelForCausalLM
-
     from llamarl.generator.engine import Engine
     from llamarl.generator.loop import join_weight_groups
 
@@ -58,15 +58,39 @@ def generator(rt, model_dir):
     before = engine.generate(ids, 1, 0.0, 10)
     sum_before = engine.checksum()
     rt.store.set("gen/before_done", "1")
-    engine.receive_weights()
-    greedy = engine.generate(ids, 1, 0.0, 10)
-    sampled = engine.generate(ids, 4, 1.0, 10, seed=3)
-    rt.wait_key("trainer/saved")
+    result = {"greedy_match": True, "max_abs_dlogprob": 0.0, "checksum_before": sum_before}
+    for sync in (1, 2):
+        engine.receive_weights()
+        greedy = engine.generate(ids, 1, 0.0, 10)
+        sampled = engine.generate(ids, 4, 1.0, 10, seed=3)
+        rt.wait_key(f"trainer/saved/{sync}")
+        match, dlp = compare_with_hf(model_dir, os.environ["OUT"] + f".{sync}.pt", ids, greedy,
+                                     sampled)
+        result["greedy_match"] &= match
+        result["max_abs_dlogprob"] = max(result["max_abs_dlogprob"], dlp)
+        if sync == 1:
+            result["changed_tokens"] = [a[0].token_ids != b[0].token_ids
+                                        for a, b in zip(before, greedy)]
+            result["checksum_after"] = engine.checksum()
+    result["checksum_after_2"] = engine.checksum()
+    result["replayed"], result["in_place"] = engine.llm.collective_rpc(
+        lambda worker: (worker._llamarl_receiver.replay is not None,
+                        sum(t is not f for ts, fs in zip(worker._llamarl_receiver.targets,
+                                                         worker._llamarl_receiver.flats)
+                            for t, f in zip(ts, fs))))[0]
     while rt.store.add("trainer/sent", 0) < 2:  # both trainer ranks counted their buckets
         time.sleep(0.01)
+    result["buckets"] = rt.store.add("trainer/nbuckets", 0)
+    with open(os.environ["OUT"], "w") as f:
+        json.dump(result, f)
+
+
+def compare_with_hf(model_dir, state_path, ids, greedy, sampled) -> tuple[bool, float]:
+    """Greedy tokens identical to the trainer's model's argmax, and the largest |d logprob|."""
+    from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    hf.load_state_dict(torch.load(os.environ["OUT"] + ".pt"), strict=False)
+    hf.load_state_dict(torch.load(state_path), strict=False)
     hf.tie_weights()
     hf.eval()
 
@@ -87,17 +111,16 @@ def generator(rt, model_dir):
         for c in grp:
             lp, _ = hf_logprobs(p, c.token_ids, 1.0)
             max_dlp = max(max_dlp, (lp - torch.tensor(c.logprobs)).abs().max().item())
-    result = {
-        "greedy_match": greedy_match, "max_abs_dlogprob": max_dlp,
-        "changed_tokens": [a[0].token_ids != b[0].token_ids for a, b in zip(before, greedy)],
-        "checksum_before": sum_before, "checksum_after": engine.checksum(),
-        "buckets": rt.store.add("trainer/nbuckets", 0),
-    }
-    with open(os.environ["OUT"], "w") as f:
-        json.dump(result, f)
+    return greedy_match, max_dlp
 
 
 if __name__ == "__main__":
+    import llamarl.parallel.weight_sync as weight_sync
+
+    # Pieces of 16 KiB and more travel alone and the engine receives them in place (the
+    # weight matrices of the tiny model); the small ones are packed, received into buffers
+    # and copied: both paths are checked.
+    weight_sync.SOLO_BYTES = 16 << 10
     model_dir = os.environ["MODEL_DIR"]
     cfg = load_config(None, [f"model.path={model_dir}", "generator.max_model_len=64",
                              "sync.bucket_mb=1",
