@@ -213,3 +213,23 @@ def test_every_cpu_recipe_runs_a_few_steps(recipe, tmp_path, cache_dir):
     (run,) = run_dirs(tmp_path)
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
+
+
+def test_bfloat16_compute_with_float32_master_weights(tmp_path, cache_dir):
+    """model.dtype=bfloat16: engines and the trainer's forward/backward in bf16, float32 master
+    weights, weights sent as bf16 (half the bytes), the exported policy in bf16."""
+    import torch
+    from safetensors import safe_open
+
+    out = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "llamarl.launch", RECIPE, "run.steps=3", "model.dtype=bfloat16",
+           f"run.output_dir={out}", *SMALL]
+    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(LLAMARL_CACHE=cache_dir),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    (run,) = run_dirs(out)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    # the engine samples from exactly the trainer's weights, up to bf16 rounding
+    assert all(r["mismatch_kl"] < 1e-3 for r in rows), [r["mismatch_kl"] for r in rows]
+    with safe_open(str(run / "policy" / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}

@@ -49,3 +49,37 @@ def test_tied_parameters_are_sent_once():
     total = sum(t.numel() for t in model_tensors(model).values())
     assert total == sum(p.numel() for p in model.parameters())
     assert all(isinstance(t, torch.Tensor) for t in model_tensors(model).values())
+
+
+def test_float32_master_weights_travel_in_the_engine_dtype():
+    from llamarl.parallel.weight_sync import WeightSender
+    from llamarl.tiny.model import build_model
+
+    model, _ = build_model(0)  # float32, as the trainer's master weights
+    wide = WeightSender(model, 0, 64, None, torch.device("cpu"))
+    narrow = WeightSender(model, 0, 64, None, torch.device("cpu"), wire_dtype=torch.bfloat16)
+    assert {m.dtype for m in wide.metas} == {"torch.float32"}
+    assert {m.dtype for m in narrow.metas} == {"torch.bfloat16"}
+    assert narrow.bytes_per_sync * 2 == wide.bytes_per_sync
+
+    class Loopback:  # a one-process "group": the broadcast root keeps its buffer
+        def broadcast(self, tensors, opts):
+            class Done:
+                def wait(self):
+                    return None
+
+                def get_future(self):
+                    f = torch.futures.Future()
+                    f.set_result(None)
+                    return f
+            return Done()
+
+    narrow.group = Loopback()
+    narrow.publish(model, version=None)
+    narrow.wait()
+    (bucket,) = narrow.buckets
+    flat = narrow._flats[0]
+    for meta, off in bucket.entries:
+        sent = flat[off:off + meta.numel].view(meta.piece_shape)
+        expected = dict(model.named_parameters())[meta.name].detach().to(torch.bfloat16)
+        assert torch.equal(sent, expected), meta.name

@@ -142,25 +142,29 @@ def model_tensors(model: torch.nn.Module,
     return out
 
 
-def local_pieces(model: torch.nn.Module, rank: int,
-                 buffers: set[str]) -> list[tuple[TensorMeta, torch.Tensor | None]]:
+def local_pieces(model: torch.nn.Module, rank: int, buffers: set[str],
+                 wire_dtype: torch.dtype | None = None,
+                 ) -> list[tuple[TensorMeta, torch.Tensor | None]]:
     """What trainer `rank` sends: its dim-0 shard of each FSDP2 (Shard(0)) parameter, and whole
-    replicated tensors on rank 0 only (None = nothing from this rank)."""
+    replicated tensors on rank 0 only (None = nothing from this rank). Floating-point tensors
+    travel as `wire_dtype` when given (the engines' dtype: float32 master weights are sent as
+    bfloat16, cast while packing, at half the bytes)."""
     from torch.distributed.tensor import DTensor, Shard
 
     out = []
     for name, t in model_tensors(model, buffers).items():
         shape = tuple(t.shape)
+        dtype = str(wire_dtype if wire_dtype is not None and t.is_floating_point() else t.dtype)
         if isinstance(t, DTensor) and tuple(t.placements) == (Shard(0),):
             local = t.to_local()
             world = t.device_mesh.size()
             chunk = -(-shape[0] // world)  # FSDP2 splits dim 0 like torch.chunk
             row0 = min(rank * chunk, shape[0])
             assert local.shape[0] == max(0, min(chunk, shape[0] - row0)), (name, local.shape)
-            out.append((TensorMeta(name, str(t.dtype), shape, local.shape[0], row0), local))
+            out.append((TensorMeta(name, dtype, shape, local.shape[0], row0), local))
         else:  # replicated or unsharded: trainer 0 sends the whole tensor
             full = t.full_tensor() if isinstance(t, DTensor) else t
-            meta = TensorMeta(name, str(t.dtype), shape, -1 if rank == 0 else 0, 0)
+            meta = TensorMeta(name, dtype, shape, -1 if rank == 0 else 0, 0)
             out.append((meta, full if rank == 0 else None))
     return out
 
@@ -178,10 +182,11 @@ class WeightSender:
     """
 
     def __init__(self, model: torch.nn.Module, rank: int, bucket_mb: int,
-                 group: dist.ProcessGroup | None, device: torch.device, store=None):
+                 group: dist.ProcessGroup | None, device: torch.device, store=None,
+                 wire_dtype: torch.dtype | None = None):
         self.rank = rank
         self.buffers = persistent_buffer_names(model)
-        self.metas = [m for m, _ in local_pieces(model, rank, self.buffers)]
+        self.metas = [m for m, _ in local_pieces(model, rank, self.buffers, wire_dtype)]
         self.buckets = plan_buckets(self.metas, bucket_mb << 20)
         self.group = group
         self.device = device
@@ -236,7 +241,7 @@ class WeightSender:
                 pieces = [local[name] for name, _ in slots]
                 for (name, slot), piece in zip(slots, pieces):
                     assert piece.shape == slot.shape, (name, piece.shape, slot.shape)
-                torch._foreach_copy_([slot for _, slot in slots], pieces)
+                torch._foreach_copy_([slot for _, slot in slots], pieces)  # casts to the wire
                 self._works.append(self.group.broadcast([flat], opts))
         futures = [w.get_future() for w in self._works]
         if futures:

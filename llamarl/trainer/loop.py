@@ -77,7 +77,9 @@ def open_weight_sender(rt: Runtime, model: torch.nn.Module) -> WeightSender:
     """Trainer r's sender on wsync<r> = [trainer r (group rank 0), every generator rank]; its
     shard layout goes to the store for the generators (see generator.loop.join_weight_groups)."""
     r = rt.role.index
-    sender = WeightSender(model, r, rt.cfg.sync.bucket_mb, None, rt.device, rt.store)
+    # the engines hold model.dtype; the trainer's master weights may be wider (float32)
+    sender = WeightSender(model, r, rt.cfg.sync.bucket_mb, None, rt.device, rt.store,
+                          wire_dtype=DTYPES[rt.cfg.model.dtype])
     rt.store.set(f"wsync/meta/{r}", metas_to_json(sender.metas))
     n_gen = len(rt.layout.generator_global_ranks)
     sender.group = make_group(rt.group_spec(f"wsync{r}", 0, 1 + n_gen))
@@ -194,15 +196,16 @@ def run_trainer(rt: Runtime) -> None:
                 sender.publish(model, version)  # pack now, broadcast in the background
         sync_s = time.perf_counter() - t0
         every = cfg.run.checkpoint_every
-        t0 = time.perf_counter()
+        t0, checkpointed = time.perf_counter(), False
         if every and (version % every == 0 or last):
+            checkpointed = True
             with timeline.phase("checkpoint", step):
                 checkpoint.save(rt.run_dir, version, model, trainer.opt, trainer.sched, keep=
                                 cfg.run.keep_checkpoints, critic=critic, meta={
                                     "policy_version": version, "model_path": model_path,
                                     "dtype": cfg.model.dtype,
                                     "data_state": data_state})
-        checkpoint_s = time.perf_counter() - t0
+        checkpoint_s = time.perf_counter() - t0 if checkpointed else 0.0
 
         by_engine = {int(p.generator[0]): int(p.policy_version.min()) for p in parts if len(p)}
         n_tok = max(stats["n_tokens"], 1.0)
