@@ -71,7 +71,8 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--completion-len", type=int, default=16)
     p.add_argument("--micro-batch", type=int, default=32)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32", help="compute dtype (model.dtype)")
+    p.add_argument("--master-dtype", default="float32", help="trainer.master_dtype")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--gradient-checkpointing", action="store_true")
     args = p.parse_args()
@@ -101,9 +102,10 @@ def main() -> None:
                  "algorithm.kl_estimator=k1"] if alg == "ppo" else []
         cfg = load_config(None, [f"trainer.micro_batch_size={args.micro_batch}",
                                  f"trainer.ranks={world}", f"model.dtype={args.dtype}",
+                                 f"trainer.master_dtype={args.master_dtype}",
                                  f"trainer.gradient_checkpointing={args.gradient_checkpointing}",
                                  *extra])
-        model = load_policy(path, args.dtype).to(device)
+        model = load_policy(path, args.master_dtype).to(device)
         vocab = model.config.vocab_size
         apply_fsdp(model, mesh, DTYPES[args.dtype],
                    gradient_checkpointing=args.gradient_checkpointing)
