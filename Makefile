@@ -50,6 +50,7 @@ bench: install
 	$(PY) bench/async_pipeline.py
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 3 bench/weight_sync.py --model tiny
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 3 bench/weight_sync.py --model 100m
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 1 bench/trainer_throughput.py --model tiny
 
 bench-quality: install
 	$(PY) bench/async_quality.py
