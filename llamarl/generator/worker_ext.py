@@ -57,4 +57,4 @@ class LlamarlWorkerExtension:
 
     def llamarl_state_checksum(self) -> float:
         """Sum of all parameters: a cheap check that weights changed (tests)."""
-        return float(sum(p.double().sum() for p in self.model_runner.model.parameters()))
+        return float(sum(p.detach().double().sum() for p in self.model_runner.model.parameters()))
