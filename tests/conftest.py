@@ -41,19 +41,10 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 def reversed_char_tokenizer():
     """A char tokenizer over the tiny policy's characters in reverse order: the same texts,
     other token ids (a reward model whose tokenizer is not the policy's)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     from llamarl.tiny.model import SPECIAL, build_tokenizer
 
     chars = [c for c in build_tokenizer().get_vocab() if c not in SPECIAL]
-    vocab = {t: i for i, t in enumerate(SPECIAL + sorted(chars, reverse=True))}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-        unk_token="<unk>", clean_up_tokenization_spaces=False)
+    return build_tokenizer(sorted(chars, reverse=True))
 
 
 def save_tiny_reward_model(path: Path, num_labels: int = 1, seed: int = 0, tokenizer=None,

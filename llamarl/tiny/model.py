@@ -14,11 +14,14 @@ from llamarl.tiny.task import ALPHABET, SEPARATOR
 SPECIAL = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
 
-def build_tokenizer():
+def build_tokenizer(chars: list[str] | None = None):
+    """A character-level tokenizer: the special tokens, then one id per character of `chars`
+    (default: the tiny task's alphabet, separator, space, digits and +-*), in that order."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    chars = list(ALPHABET) + [SEPARATOR, " "] + [str(d) for d in range(10)] + list("+-*")
+    if chars is None:
+        chars = list(ALPHABET) + [SEPARATOR, " "] + [str(d) for d in range(10)] + list("+-*")
     vocab = {tok: i for i, tok in enumerate(SPECIAL + chars)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
