@@ -11,17 +11,17 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from test_buffer import make_batch  # noqa: E402
+from trainer_world import trainer_world  # noqa: E402
 
 from llamarl.buffer.record import split_groups  # noqa: E402
 from llamarl.config import load_config  # noqa: E402
 from llamarl.parallel.fsdp import apply_fsdp  # noqa: E402
 from llamarl.tiny.model import build_model  # noqa: E402
 from llamarl.trainer.critic import build_critic  # noqa: E402
-from llamarl.trainer.loop import TRAINER_BACKEND, load_reference  # noqa: E402
+from llamarl.trainer.loop import load_reference  # noqa: E402
 from llamarl.trainer.rl_step import policy_step  # noqa: E402
 from llamarl.trainer.step import PolicyTrainer  # noqa: E402
 
@@ -33,16 +33,8 @@ def full(model):
 
 
 if __name__ == "__main__":
-    kind = os.environ.get("DEVICE", "cpu")
-    if kind == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(TRAINER_BACKEND[kind])
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(1)
+    rank, world, mesh, device = trainer_world()
     cfg = load_config(None, CFG + os.environ.get("EXTRA", "").split())
-    mesh = init_device_mesh(kind, (world,))
-    device = torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else \
-        torch.device("cpu")
     model, tok = build_model(seed=0)
     model.to(device)
     apply_fsdp(model, mesh, torch.float32,

@@ -13,29 +13,20 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from test_buffer import make_batch  # noqa: E402
+from trainer_world import trainer_world  # noqa: E402
 
 from llamarl.tiny.model import build_tokenizer  # noqa: E402
 from llamarl.trainer.reward_model import TrainerRewardModel  # noqa: E402
 
 SHARES = {1: {"all": [list(range(8))]},
           2: {"uneven": [[0, 1, 2, 3, 4], [5, 6]], "one_empty": [[2, 5, 7], None]}}
-BACKEND = {"cpu": "gloo", "cuda": "cpu:gloo,cuda:nccl"}  # as trainer.loop.TRAINER_BACKEND
 
 if __name__ == "__main__":
-    kind = os.environ.get("DEVICE", "cpu")
-    if kind == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(BACKEND[kind])
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(1)
-    mesh = init_device_mesh(kind, (world,))
-    device = torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else \
-        torch.device("cpu")
+    rank, world, mesh, device = trainer_world()
     rm = TrainerRewardModel(os.environ["RM_DIR"], build_tokenizer(),
                             os.environ.get("DTYPE", "float32"), device, mesh)
     full = make_batch(2, 4, seed=3)  # 8 sequences of varied lengths
