@@ -6,6 +6,7 @@ reward against trainer step and against wall-clock time: `async_quality.csv`,
 
     python bench/async_quality.py [--steps 250] [--seeds 0 1] [--correction tis] [--lr 3e-4]
                                   [--ks 0 1 2] [key=value]
+    python bench/async_quality.py --merge DIR [DIR ...] --out DIR   # runs made separately
 
 The learning rate sets how far one optimizer step moves the policy, which is what staleness
 costs: at the default recipe's lr 1e-3 one step moves the tiny model by a mismatch KL of ~0.03
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -63,6 +65,23 @@ def mean_curves(results: list[dict]) -> dict[int, list[dict]]:
     return out
 
 
+def paired_gaps(results: list[dict]) -> dict[int, dict]:
+    """Per k > 0: the final held-out reward minus k = 0's in the same seed (same initial model
+    and prompts), averaged over seeds, with its standard error; and the seed-to-seed standard
+    deviation of k = 0's final reward (the noise a gap is measured against)."""
+    final = {(r["k"], r["seed"]): r["points"][-1]["reward_mean"] for r in results}
+    sync = [v for (k, _), v in final.items() if k == 0]
+    out = {}
+    for k in sorted({k for k, _ in final if k > 0}):
+        gaps = [final[k, s] - final[0, s] for kk, s in final if kk == k and (0, s) in final]
+        if len(gaps) < 2:
+            continue
+        mean = statistics.mean(gaps)
+        out[k] = {"gap_mean": mean, "gap_se": statistics.stdev(gaps) / len(gaps) ** 0.5,
+                  "seeds": len(gaps), "sync_seed_std": statistics.stdev(sync)}
+    return out
+
+
 def plot(results: list[dict], correction: str, path: Path) -> bool:
     try:
         import matplotlib
@@ -99,13 +118,20 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--correction", default="tis", choices=["none", "aipo", "tis", "icepop"])
     ap.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2], help="max_staleness values")
+    ap.add_argument("--merge", nargs="+", default=[], metavar="DIR",
+                    help="run nothing: report the runs saved in these --out folders together")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    extra = [f"trainer.lr={args.lr}", *args.overrides]
-    results = [run(k, s, args.correction, args.steps, args.eval_every, extra)
-               for s in args.seeds for k in args.ks]
+    if args.merge:
+        results = [r for d in args.merge
+                   for r in json.loads((Path(d) / "async_quality.json").read_text())]
+        results.sort(key=lambda r: (r["seed"], r["k"]))
+    else:
+        extra = [f"trainer.lr={args.lr}", *args.overrides]
+        results = [run(k, s, args.correction, args.steps, args.eval_every, extra)
+                   for s in args.seeds for k in args.ks]
     with open(out / "async_quality.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["k", "seed", "step", "wall_s", "reward_mean",
                                           "reward_mean_greedy"])
@@ -123,6 +149,12 @@ def main() -> None:
         print(f"k={k}: mean held-out reward after {pts[-1]['step']} steps "
               f"{pts[-1]['reward_mean']:.3f} (spread over seeds {pts[-1]['spread']:.3f}), "
               f"mean wall clock {pts[-1]['wall_s']:.0f} s")
+    gaps = paired_gaps(results)
+    for k, g in gaps.items():
+        print(f"k={k} minus k=0, same seed, final held-out reward: {g['gap_mean']:+.3f} "
+              f"+- {g['gap_se']:.3f} (standard error over {g['seeds']} seeds; the seed-to-seed "
+              f"std of k=0 is {g['sync_seed_std']:.3f})")
+    (out / "async_quality_gaps.json").write_text(json.dumps(gaps, indent=1))
     print(f"curves: {out / 'async_quality.csv'}" + (f", {out / 'async_quality.png'}" if drew
                                                      else " (install matplotlib for a PNG)"))
 
