@@ -47,6 +47,9 @@ def run(k: int, seed: int, correction: str, steps: int, eval_every: int,
                "reward_mean": e["reward_mean"], "reward_mean_greedy": e["reward_mean_greedy"]}
               for e in evals]
     return {"k": k, "seed": seed, "run_dir": str(run_dir), "points": points,
+            "settings": args[1:],  # the recipe overrides of this run
+            "mismatch_kl_median": statistics.median(m["mismatch_kl"] for m in metrics),
+            "staleness_mean": statistics.mean(m["staleness_mean"] for m in metrics),
             "train_reward_last20": sum(m["reward_mean"] for m in metrics[-20:]) / 20,
             "wall_s": metrics[-1]["elapsed_s"]}
 
@@ -82,7 +85,7 @@ def paired_gaps(results: list[dict]) -> dict[int, dict]:
     return out
 
 
-def plot(results: list[dict], correction: str, path: Path) -> bool:
+def plot(results: list[dict], label: str, path: Path) -> bool:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -91,12 +94,12 @@ def plot(results: list[dict], correction: str, path: Path) -> bool:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for k, pts in mean_curves(results).items():
-        label = f"k={k}" + (f" ({correction})" if k else " (sync)")
+        name = f"k={k}" + (f" ({label})" if k else " (sync)")
         xs = [p["step"] for p in pts]
         ws = [p["wall_s"] for p in pts]
         ys = [p["reward_mean"] for p in pts]
-        axes[0].plot(xs, ys, marker="o", label=label)
-        axes[1].plot(ws, ys, marker="o", label=label)
+        axes[0].plot(xs, ys, marker="o", label=name)
+        axes[1].plot(ws, ys, marker="o", label=name)
     axes[0].set_xlabel("trainer step")
     axes[1].set_xlabel("wall clock since the first step (s)")
     for ax in axes:
@@ -139,7 +142,9 @@ def main() -> None:
         for r in results:
             w.writerows(r["points"])
     (out / "async_quality.json").write_text(json.dumps(results, indent=1))
-    drew = plot(results, args.correction, out / "async_quality.png")
+    corrections = sorted({a.split("=", 1)[1] for r in results if r["k"]
+                          for a in r.get("settings", []) if a.startswith("algorithm.corr")})
+    drew = plot(results, ", ".join(corrections) or args.correction, out / "async_quality.png")
     for r in results:
         first, last = r["points"][0], r["points"][-1]
         print(f"k={r['k']} seed {r['seed']}: held-out reward {first['reward_mean']:.3f} -> "

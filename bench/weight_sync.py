@@ -71,8 +71,14 @@ def main() -> None:
     ap.add_argument("--model", default="tiny", choices=["tiny", "100m"])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--bucket-mb", type=int, default=None, help="sync.bucket_mb (recipe default)")
+    ap.add_argument("--solo-mb", type=float, default=None,
+                    help="pieces this large travel alone (default: weight_sync.SOLO_BYTES)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
+    if args.solo_mb is not None:
+        import llamarl.parallel.weight_sync as weight_sync
+
+        weight_sync.SOLO_BYTES = int(args.solo_mb * 2**20)
     env = from_environ()
     model_dir = os.environ.get("BENCH_MODEL_DIR", "")
     cfg = load_config(None, [f"model.path={model_dir or 'tiny:reverse'}",
@@ -87,6 +93,12 @@ def main() -> None:
     rt.watchdog.mark_done()
     rt.watchdog.stop()
     os._exit(0)
+
+
+def solo_bytes() -> int:
+    from llamarl.parallel import weight_sync
+
+    return weight_sync.SOLO_BYTES
 
 
 def trainer(rt, args) -> None:
@@ -152,7 +164,9 @@ def trainer(rt, args) -> None:
             ("sync_s", sync_s), ("raw_s", raw_s), ("raw_single_s", raw_single_s),
             ("publish_s", publish_s))}
         report = {"model": args.model, "bytes": nbytes, "trainer_ranks": rt.layout.trainer_ranks,
-                  "bucket_mb": rt.cfg.sync.bucket_mb, "rounds": args.rounds, **med,
+                  "bucket_mb": rt.cfg.sync.bucket_mb, "solo_bytes": solo_bytes(),
+                  "buckets": len(sender.buckets), "sent_as_is": sum(sender.direct),
+                  "rounds": args.rounds, **med,
                   "load_s": float(rt.wait_key("bench/load_s")),
                   "sync_bytes_per_s": nbytes / med["sync_s"],
                   "raw_bytes_per_s": nbytes / med["raw_s"],

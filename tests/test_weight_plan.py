@@ -83,3 +83,51 @@ def test_float32_master_weights_travel_in_the_engine_dtype():
         sent = flat[off:off + meta.numel].view(meta.piece_shape)
         expected = dict(model.named_parameters())[meta.name].detach().to(torch.bfloat16)
         assert torch.equal(sent, expected), meta.name
+
+
+def test_large_pieces_are_sent_from_the_parameter_and_the_optimizer_waits_for_them():
+    """A piece that travels alone in the wire dtype is broadcast from the parameter itself (no
+    snapshot); `guard` makes the optimizer step wait until that broadcast is done."""
+    import llamarl.parallel.weight_sync as ws
+    from llamarl.tiny.model import build_model
+
+    model, _ = build_model(0)  # float32
+    name, big = max(model.named_parameters(), key=lambda p: p[1].numel())
+    solo, ws.SOLO_BYTES = ws.SOLO_BYTES, big.numel() * 4  # only the largest travel alone
+    try:
+        sender = ws.WeightSender(model, 0, 64, None, torch.device("cpu"))
+    finally:
+        ws.SOLO_BYTES = solo
+    (b,) = [i for i, bk in enumerate(sender.buckets) if bk.entries[0][0].name == name]
+    assert sender.direct[b] and sender._flats[b] is None
+    assert not all(sender.direct)
+    events = []
+
+    class Pending:  # a broadcast still in flight until waited for
+        def __init__(self, tensor):
+            self.tensor = tensor
+
+        def wait(self):
+            events.append("sent")
+
+        def get_future(self):
+            f = torch.futures.Future()
+            f.set_result(None)
+            return f
+
+    class Group:
+        def broadcast(self, tensors, opts):
+            events.append(tensors[0].data_ptr())
+            return Pending(tensors[0])
+
+    sender.group = Group()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sender.guard(opt)
+    sender.publish(model, version=None)
+    assert big.data_ptr() in events  # the parameter's own memory, not a copy
+    assert "sent" not in events
+    big.grad = torch.ones_like(big)
+    opt.step()  # waits for every broadcast before changing the parameter
+    assert events.count("sent") == len(sender.buckets)
+    # the other buckets were snapshots: packed in the send buffers
+    assert all(f is not None for f, d in zip(sender._flats, sender.direct) if not d)

@@ -19,4 +19,5 @@ def test_weight_broadcast_parity_with_fsdp2_trainers(tmp_path, tiny_model_dir):
     assert any(r["changed_tokens"]), "the sync must change what the engine generates"
     assert r["replayed"], "the second sync replays the recorded copies"
     assert 0 < r["in_place"] < r["buckets"], "some buckets are received in place, some copied"
+    assert 0 < r["sent_as_is"] < r["buckets"], "some sent from the parameters, some packed"
     assert r["checksum_after_2"] != r["checksum_after"], "the replayed sync changes the weights"

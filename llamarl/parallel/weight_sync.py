@@ -79,12 +79,16 @@ class Bucket:
     numel: int
 
 
-# A piece this large travels in a message of its own, so that the receiver can post that
-# message straight into the engine parameter it ends up in (see WeightReceiver), saving a
-# copy of it. Not smaller: on this 2-core CPU, gloo moves 219 MB as 16 MB messages ~15%
-# slower than as 64 MB ones, and as 1-3 MB messages (every weight matrix of a 110M model
-# alone) the sync got slower overall although it copied nothing.
-SOLO_BYTES = 16 << 20
+# A piece this large travels in a message of its own: the sender broadcasts it straight from
+# the parameter (no snapshot, see WeightSender.guard) and the receiver posts the message
+# straight into the engine parameter it ends up in (see WeightReceiver): no copy at either
+# end. Smaller pieces are packed into buckets, since every message costs a rendezvous. On
+# this 2-core CPU (gloo, 110M model in 2 FSDP2 shards, bench/weight_sync.py), where each
+# copy takes CPU from the loopback transfer, the sync ran at 0.69x of the raw transfer with
+# 16 MiB (4 messages per sender, 340 MB copied by the engine), 0.69x with 1 MiB (86
+# messages, nothing copied) and ~0.8x with 2 MiB (38 messages: the MLP shards alone, the
+# attention shards packed).
+SOLO_BYTES = 2 << 20
 
 
 def plan_buckets(metas: list[TensorMeta], bucket_bytes: int) -> list[Bucket]:
@@ -179,6 +183,11 @@ class WeightSender:
     same versions in the same order; trainer 0 announces broadcast i in `store` as one key,
     `wsync/version/<i>` = policy version, before sending it, so a generator waiting for that
     key posts its receives while the first bucket is being packed.
+
+    A piece that travels alone (see SOLO_BYTES) and is already in the wire dtype, contiguous,
+    on the device, is sent straight from the parameter: no snapshot, no send buffer. The
+    parameter must then not change until it is sent: `guard(optimizer)` makes the optimizer's
+    step wait for the sync in flight (by then it is long sent: a step takes longer than a sync).
     """
 
     def __init__(self, model: torch.nn.Module, rank: int, bucket_mb: int,
@@ -197,11 +206,21 @@ class WeightSender:
         # Where each tensor lives (module, attribute), resolved once: walking the module tree
         # and DTensor bookkeeping per sync cost ~0.5 ms for the tiny model.
         self._model = model
-        self._sources = [(name, *_owner(model, name), _kind(t))
-                         for name, t in model_tensors(model, self.buffers).items()]
-        self._flats = [torch.empty(b.numel, dtype=_DTYPES[b.dtype], device=device)
+        tensors = model_tensors(model, self.buffers)
+        self._sources = [(name, *_owner(model, name), _kind(t)) for name, t in tensors.items()]
+        # Buckets sent straight from their one tensor (not a replicated one: that is gathered
+        # anew every sync) get no buffer (None) and no slots.
+        own = {name: t.to_local() if kind == "shard" else t
+               for name, _, _, kind in self._sources if kind != "replicated"
+               for t in [tensors[name]]}
+        self.direct = [len(b.entries) == 1
+                       and _sendable_as_is(own.get(b.entries[0][0].name), b, device)
                        for b in self.buckets]
-        self._slots = [[(m.name, flat[off:off + m.numel].view(m.piece_shape))
+        self._flats = [None if direct else torch.empty(b.numel, dtype=_DTYPES[b.dtype],
+                                                       device=device)
+                       for b, direct in zip(self.buckets, self.direct)]
+        self._slots = [[] if flat is None else
+                       [(m.name, flat[off:off + m.numel].view(m.piece_shape))
                         for m, off in b.entries] for b, flat in zip(self.buckets, self._flats)]
         self._works: list[dist.Work] = []
         self._announced = 0
@@ -237,7 +256,11 @@ class WeightSender:
         opts.rootRank, opts.rootTensor = 0, 0
         with torch.no_grad():
             local = self._local_tensors()
-            for slots, flat in zip(self._slots, self._flats):
+            for bucket, slots, flat in zip(self.buckets, self._slots, self._flats):
+                if flat is None:  # straight from the parameter (see guard)
+                    (meta, _), = bucket.entries
+                    self._works.append(self.group.broadcast([local[meta.name].view(-1)], opts))
+                    continue
                 pieces = [local[name] for name, _ in slots]
                 for (name, slot), piece in zip(slots, pieces):
                     assert piece.shape == slot.shape, (name, piece.shape, slot.shape)
@@ -248,6 +271,11 @@ class WeightSender:
             done = futures[0] if len(futures) == 1 else torch.futures.collect_all(futures)
             done.then(lambda _: setattr(self, "last_broadcast_s", time.perf_counter() - t0))
 
+    def guard(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make `optimizer.step()` wait for the sync in flight: some buckets are sent straight
+        from the parameters, which the step changes in place."""
+        optimizer.register_step_pre_hook(lambda _opt, _args, _kwargs: self.wait())
+
     def wait(self) -> None:
         """Block until the sync in flight (if any) has been sent."""
         works, self._works = self._works, []
@@ -256,6 +284,12 @@ class WeightSender:
                 w.wait()
         except BaseException as e:
             raise RuntimeError(f"weight broadcast failed: {e}") from e
+
+
+def _sendable_as_is(t: torch.Tensor | None, bucket: Bucket, device: torch.device) -> bool:
+    """Whether `t`, a bucket's one piece, can be broadcast as it is (no copy into a buffer)."""
+    return (t is not None and t.is_contiguous() and str(t.dtype) == bucket.dtype
+            and t.numel() == bucket.numel and t.device == torch.device(device))
 
 
 def _kind(t: torch.Tensor) -> str:

@@ -138,6 +138,7 @@ def run_trainer(rt: Runtime) -> None:
         log(rt, f"reward model {cfg.reward.model_path} sharded over {T} trainer rank(s)")
 
     sender = open_weight_sender(rt, model)
+    sender.guard(trainer.opt)  # large shards are sent straight from the parameters
     channels = [open_channel(rt, e, r, "consumer") for e in range(rt.layout.engines)]
     log(rt, "rollout channels: " + ", ".join(f"{ch.channel} over {ch.transport}"
                                              for ch in channels))

@@ -44,6 +44,7 @@ def trainer(rt, model_dir):
             torch.save(state, os.environ["OUT"] + f".{sync}.pt")
             rt.store.set(f"trainer/saved/{sync}", "1")
     rt.store.add("trainer/nbuckets", len(sender.buckets))
+    rt.store.add("trainer/sent_as_is", sum(sender.direct))  # straight from the parameters
     rt.store.add("trainer/sent", 1)
 
 
@@ -81,6 +82,7 @@ def generator(rt, model_dir):
     while rt.store.add("trainer/sent", 0) < 2:  # both trainer ranks counted their buckets
         time.sleep(0.01)
     result["buckets"] = rt.store.add("trainer/nbuckets", 0)
+    result["sent_as_is"] = rt.store.add("trainer/sent_as_is", 0)
     with open(os.environ["OUT"], "w") as f:
         json.dump(result, f)
 
