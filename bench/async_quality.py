@@ -29,6 +29,11 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/tiny_grpo_cpu.yaml"
 
 
+# what each algorithm.correction does to a stale sample, for the plot's legend
+CORRECTIONS = {"none": "PPO-clipped ratio to the behaviour policy", "tis": "truncated IS",
+               "aipo": "AIPO", "icepop": "IcePop"}
+
+
 def run(k: int, seed: int, correction: str, steps: int, eval_every: int,
         extra: list[str]) -> dict:
     out = Path(tempfile.mkdtemp(prefix=f"llamarl-quality-k{k}-s{seed}-"))
@@ -63,7 +68,9 @@ def mean_curves(results: list[dict]) -> dict[int, list[dict]]:
                    "wall_s": sum(p["wall_s"] for p in pts) / len(pts),
                    "reward_mean": sum(p["reward_mean"] for p in pts) / len(pts),
                    "spread": max(p["reward_mean"] for p in pts) -
-                   min(p["reward_mean"] for p in pts)}
+                   min(p["reward_mean"] for p in pts),
+                   "se": statistics.stdev(p["reward_mean"] for p in pts) / len(pts) ** 0.5
+                   if len(pts) > 1 else 0.0}
                   for pts in zip(*runs)]
     return out
 
@@ -98,12 +105,13 @@ def plot(results: list[dict], label: str, path: Path) -> bool:
         xs = [p["step"] for p in pts]
         ws = [p["wall_s"] for p in pts]
         ys = [p["reward_mean"] for p in pts]
-        axes[0].plot(xs, ys, marker="o", label=name)
-        axes[1].plot(ws, ys, marker="o", label=name)
+        se = [p["se"] for p in pts]
+        axes[0].errorbar(xs, ys, yerr=se, marker="o", capsize=3, label=name)
+        axes[1].errorbar(ws, ys, yerr=se, marker="o", capsize=3, label=name)
     axes[0].set_xlabel("trainer step")
     axes[1].set_xlabel("wall clock since the first step (s)")
     for ax in axes:
-        ax.set_ylabel("held-out reward (sampled), mean over seeds")
+        ax.set_ylabel("held-out reward (sampled): mean, standard error over seeds")
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle("tiny GRPO on CPU: synchronous vs bounded-staleness asynchronous")
@@ -118,13 +126,21 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--lr", type=float, default=3e-4, help="trainer.lr of every run")
     ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    ap.add_argument("--correction", default="tis", choices=["none", "aipo", "tis", "icepop"])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
+    ap.add_argument("--correction", default="none", choices=["none", "aipo", "tis", "icepop"],
+                    help="algorithm.correction of the k >= 1 runs (k = 0 runs none)")
+    ap.add_argument("--eval-samples", type=int, default=16,
+                    help="data.eval_samples_per_prompt: 128 prompts x 16 samples per eval")
     ap.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2], help="max_staleness values")
     ap.add_argument("--merge", nargs="+", default=[], metavar="DIR",
                     help="run nothing: report the runs saved in these --out folders together")
-    ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args()
+    ap.add_argument("overrides", nargs="*", help="recipe overrides, key=value, anywhere")
+    # key=value arguments are recipe overrides wherever they stand (after `--ks 0 1 2`
+    # argparse alone would take them for more ks)
+    argv = sys.argv[1:]
+    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
+    args = ap.parse_args([a for a in argv if a not in overrides])
+    args.overrides = overrides
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.merge:
@@ -132,7 +148,8 @@ def main() -> None:
                    for r in json.loads((Path(d) / "async_quality.json").read_text())]
         results.sort(key=lambda r: (r["seed"], r["k"]))
     else:
-        extra = [f"trainer.lr={args.lr}", *args.overrides]
+        extra = [f"trainer.lr={args.lr}",
+                 f"data.eval_samples_per_prompt={args.eval_samples}", *args.overrides]
         results = [run(k, s, args.correction, args.steps, args.eval_every, extra)
                    for s in args.seeds for k in args.ks]
     with open(out / "async_quality.csv", "w", newline="") as f:
@@ -144,7 +161,8 @@ def main() -> None:
     (out / "async_quality.json").write_text(json.dumps(results, indent=1))
     corrections = sorted({a.split("=", 1)[1] for r in results if r["k"]
                           for a in r.get("settings", []) if a.startswith("algorithm.corr")})
-    drew = plot(results, ", ".join(corrections) or args.correction, out / "async_quality.png")
+    drew = plot(results, ", ".join(CORRECTIONS.get(c, c) for c in corrections or [args.correction]),
+                out / "async_quality.png")
     for r in results:
         first, last = r["points"][0], r["points"][-1]
         print(f"k={r['k']} seed {r['seed']}: held-out reward {first['reward_mean']:.3f} -> "

@@ -10,11 +10,13 @@ Per sync i, on trainer r (all T in lockstep with the same version):
     trainer 0: store `wsync/version/<i>` = policy version        (one key: the announcement)
     flat_b[off_j : off_j + n_j] = local shard of tensor j        (bucket b: one dtype,
     post broadcast(flat_b, root=r on wsync<r>)                     <= bucket_mb; in order)
+    (a shard of >= SOLO_BYTES is its own bucket, broadcast from the parameter itself)
 and on each generator worker, woken by the announcement:
     post the receives of all buckets of all T senders into the receive buffers
     as each bucket arrives: write its rows into the engine's parameters
 (see WeightReceiver: the first sync goes through vLLM's load_weights and is recorded, later
-ones replay the recorded copies straight from the receive buffers).
+ones replay the recorded copies straight from the receive buffers, and receive a bucket that
+holds one piece straight into the engine parameter).
 
 Each sender publishes its shard layout once (`wsync/meta/<r>`: name, dtype, full shape, rows,
 first row); replicated tensors (or a model without FSDP2) are sent by trainer 0 alone. The
