@@ -72,19 +72,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--bucket-mb", type=int, default=None, help="sync.bucket_mb (recipe default)")
     ap.add_argument("--solo-mb", type=float, default=None,
-                    help="pieces this large travel alone (default: weight_sync.SOLO_BYTES)")
+                    help="sync.solo_mb: shards this large travel alone (recipe default)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
-    if args.solo_mb is not None:
-        import llamarl.parallel.weight_sync as weight_sync
-
-        weight_sync.SOLO_BYTES = int(args.solo_mb * 2**20)
     env = from_environ()
     model_dir = os.environ.get("BENCH_MODEL_DIR", "")
     cfg = load_config(None, [f"model.path={model_dir or 'tiny:reverse'}",
                              f"run.output_dir={tempfile.gettempdir()}/llamarl-bench-runs",
                              "generator.max_model_len=64", "generator.kv_cache_gib=0.1"]
-                      + ([f"sync.bucket_mb={args.bucket_mb}"] if args.bucket_mb else []))
+                      + ([f"sync.bucket_mb={args.bucket_mb}"] if args.bucket_mb else [])
+                      + ([f"sync.solo_mb={args.solo_mb}"] if args.solo_mb else []))
     rt = setup(cfg, compute_layout(env.world_size, env.local_world_size, 2, 1, 1), env)
     if rt.role.role == "trainer":
         trainer(rt, args)
@@ -98,12 +95,6 @@ def main() -> None:
 # On this machine gloo moves 219 MB fastest as 64 MB messages (1.4x faster than as one
 # message, ~15% faster than as 16 MB ones): raw always gets that.
 RAW_CHUNK_MB = 64
-
-
-def solo_bytes() -> int:
-    from llamarl.parallel import weight_sync
-
-    return weight_sync.SOLO_BYTES
 
 
 def trainer(rt, args) -> None:
@@ -169,7 +160,7 @@ def trainer(rt, args) -> None:
             ("sync_s", sync_s), ("raw_s", raw_s), ("raw_single_s", raw_single_s),
             ("publish_s", publish_s))}
         report = {"model": args.model, "bytes": nbytes, "trainer_ranks": rt.layout.trainer_ranks,
-                  "bucket_mb": rt.cfg.sync.bucket_mb, "solo_bytes": solo_bytes(),
+                  "bucket_mb": rt.cfg.sync.bucket_mb, "solo_mb": rt.cfg.sync.solo_mb,
                   "buckets": len(sender.buckets), "sent_as_is": sum(sender.direct),
                   "rounds": args.rounds, **med,
                   "load_s": float(rt.wait_key("bench/load_s")),

@@ -184,6 +184,9 @@ class SyncConfig:
     every: int = 1  # broadcast weights every N optimizer steps
     max_staleness: int = 0  # 0 = strictly on-policy
     bucket_mb: int = 64  # flat-buffer size per broadcast message (pipelined with packing)
+    # A shard this large is broadcast alone, straight from the trainer's parameter into the
+    # engine's (no copy at either end); smaller ones are packed into buckets and copied.
+    solo_mb: float = 2.0
     timeout_s: float = 1800.0  # longest a collective may block (a dead peer is found sooner)
     dead_peer_s: float = 30.0  # a rank silent this long is declared dead
 
@@ -251,7 +254,8 @@ def validate(cfg: Config) -> Config:
         "generator.max_model_len": cfg.generator.max_model_len,
         "generator.kv_cache_gib": cfg.generator.kv_cache_gib,
         "sync.every": cfg.sync.every, "sync.bucket_mb": cfg.sync.bucket_mb,
-        "sync.timeout_s": cfg.sync.timeout_s, "sync.dead_peer_s": cfg.sync.dead_peer_s,
+        "sync.solo_mb": cfg.sync.solo_mb, "sync.timeout_s": cfg.sync.timeout_s,
+        "sync.dead_peer_s": cfg.sync.dead_peer_s,
         "buffer.capacity": cfg.buffer.capacity, "data.eval_prompts": cfg.data.eval_prompts,
         "trainer.max_bad_steps": cfg.trainer.max_bad_steps,
         "algorithm.epochs": cfg.algorithm.epochs,

@@ -87,6 +87,7 @@ def test_cli_overrides_beat_yaml(tmp_path):
     (["sync.every=3", "sync.max_staleness=1"], ["max_staleness", ">= 2"]),
     (["algorithm.correction=vtrace"], ["algorithm.correction", "aipo"]),
     (["generator.tp=2"], ["generator.tp", "tp=1"]),
+    (["sync.solo_mb=0"], ["sync.solo_mb", "> 0"]),
     (["reward.weights=[1,2]"], ["reward.weights"]),
     (["reward.functions=[gsm8]"], ["reward.functions", "gsm8k", "module:function"]),
     (["reward.functions=[]"], ["reward.functions", "reward.model_path"]),

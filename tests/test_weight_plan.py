@@ -93,11 +93,9 @@ def test_large_pieces_are_sent_from_the_parameter_and_the_optimizer_waits_for_th
 
     model, _ = build_model(0)  # float32
     name, big = max(model.named_parameters(), key=lambda p: p[1].numel())
-    solo, ws.SOLO_BYTES = ws.SOLO_BYTES, big.numel() * 4  # only the largest travel alone
-    try:
-        sender = ws.WeightSender(model, 0, 64, None, torch.device("cpu"))
-    finally:
-        ws.SOLO_BYTES = solo
+    # only the largest travel alone
+    sender = ws.WeightSender(model, 0, 64, None, torch.device("cpu"),
+                             solo_mb=big.numel() * 4 / 2**20)
     (b,) = [i for i, bk in enumerate(sender.buckets) if bk.entries[0][0].name == name]
     assert sender.direct[b] and sender._flats[b] is None
     assert not all(sender.direct)

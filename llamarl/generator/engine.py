@@ -101,9 +101,12 @@ class Engine:
             groups.append(group)
         return groups
 
-    def join_weight_group(self, specs: list, metas_json: list[str], bucket_mb: int) -> None:
-        """Join trainer rank i's weight group `specs[i]`, whose shard layout is metas_json[i]."""
-        self.llm.collective_rpc("llamarl_join_weight_group", args=(specs, metas_json, bucket_mb))
+    def join_weight_group(self, specs: list, metas_json: list[str], bucket_mb: int,
+                          solo_mb: float | None = None) -> None:
+        """Join trainer rank i's weight group `specs[i]`, whose shard layout is metas_json[i]
+        (bucketed as the senders do: sync.bucket_mb, sync.solo_mb)."""
+        self.llm.collective_rpc("llamarl_join_weight_group",
+                                args=(specs, metas_json, bucket_mb, solo_mb))
 
     def receive_weights(self) -> None:
         """Blocking: receive a full set of weights from the trainer and load it."""

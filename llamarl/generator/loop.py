@@ -85,7 +85,7 @@ def join_weight_groups(rt: Runtime, engine: Engine) -> None:
     trainers = range(rt.layout.trainer_ranks)
     engine.join_weight_group([rt.group_spec(f"wsync{r}", me, 1 + len(gen_ranks)) for r in trainers],
                              [rt.wait_key(f"wsync/meta/{r}") for r in trainers],
-                             rt.cfg.sync.bucket_mb)
+                             rt.cfg.sync.bucket_mb, rt.cfg.sync.solo_mb)
 
 
 def run_generator(rt: Runtime) -> None:

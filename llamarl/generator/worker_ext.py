@@ -21,14 +21,14 @@ disable_onednn_prepack()
 
 class LlamarlWorkerExtension:
     def llamarl_join_weight_group(self, specs: list[GroupSpec], metas_json: list[str],
-                                  bucket_mb: int) -> int:
+                                  bucket_mb: int, solo_mb: float | None = None) -> int:
         """Join the weight group of every trainer rank (spec i, shard layout metas_json[i])."""
         device = torch.device(self.device) if hasattr(self, "device") else torch.device("cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
         groups = [make_group(spec) for spec in specs]
         self._llamarl_receiver = WeightReceiver([metas_from_json(m) for m in metas_json],
-                                                bucket_mb, groups, device)
+                                                bucket_mb, groups, device, solo_mb)
         return len(groups)
 
     def llamarl_receive_weights(self) -> int:

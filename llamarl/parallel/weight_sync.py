@@ -93,10 +93,12 @@ class Bucket:
 SOLO_BYTES = 2 << 20
 
 
-def plan_buckets(metas: list[TensorMeta], bucket_bytes: int) -> list[Bucket]:
+def plan_buckets(metas: list[TensorMeta], bucket_bytes: int,
+                 solo_bytes: int | None = None) -> list[Bucket]:
     """Group tensors by dtype (first-seen order), then pack each group into buckets of at most
-    `bucket_bytes`; a piece of at least min(bucket_bytes, SOLO_BYTES) gets a bucket of its own.
-    Empty pieces are skipped."""
+    `bucket_bytes`; a piece of at least min(bucket_bytes, solo_bytes) (default SOLO_BYTES) gets
+    a bucket of its own. Empty pieces are skipped."""
+    solo_bytes = SOLO_BYTES if solo_bytes is None else solo_bytes
     by_dtype: dict[str, list[TensorMeta]] = {}
     for m in metas:
         if m.numel:
@@ -105,7 +107,7 @@ def plan_buckets(metas: list[TensorMeta], bucket_bytes: int) -> list[Bucket]:
     for dtype, group in by_dtype.items():
         itemsize = torch.empty((), dtype=_DTYPES[dtype]).element_size()
         cap = max(1, bucket_bytes // itemsize)
-        solo = max(1, min(bucket_bytes, SOLO_BYTES) // itemsize)
+        solo = max(1, min(bucket_bytes, solo_bytes) // itemsize)
         entries: list[tuple[TensorMeta, int]] = []
         used = 0
         for m in group:
@@ -120,6 +122,11 @@ def plan_buckets(metas: list[TensorMeta], bucket_bytes: int) -> list[Bucket]:
         if entries:
             buckets.append(Bucket(dtype, tuple(entries), used))
     return buckets
+
+
+def solo_bytes_of(solo_mb: float | None) -> int | None:
+    """sync.solo_mb in bytes (None: SOLO_BYTES)."""
+    return None if solo_mb is None else int(solo_mb * 2**20)
 
 
 def metas_to_json(metas: list[TensorMeta]) -> str:
@@ -194,11 +201,11 @@ class WeightSender:
 
     def __init__(self, model: torch.nn.Module, rank: int, bucket_mb: int,
                  group: dist.ProcessGroup | None, device: torch.device, store=None,
-                 wire_dtype: torch.dtype | None = None):
+                 wire_dtype: torch.dtype | None = None, solo_mb: float | None = None):
         self.rank = rank
         self.buffers = persistent_buffer_names(model)
         self.metas = [m for m, _ in local_pieces(model, rank, self.buffers, wire_dtype)]
-        self.buckets = plan_buckets(self.metas, bucket_mb << 20)
+        self.buckets = plan_buckets(self.metas, bucket_mb << 20, solo_bytes_of(solo_mb))
         self.group = group
         self.device = device
         self.store = store
@@ -340,9 +347,11 @@ class WeightReceiver:
     """
 
     def __init__(self, metas_by_sender: list[list[TensorMeta]], bucket_mb: int,
-                 groups: list[dist.ProcessGroup], device: torch.device):
+                 groups: list[dist.ProcessGroup], device: torch.device,
+                 solo_mb: float | None = None):
         assert len(metas_by_sender) == len(groups)
-        self.plans = [plan_buckets(m, bucket_mb << 20) for m in metas_by_sender]
+        self.plans = [plan_buckets(m, bucket_mb << 20, solo_bytes_of(solo_mb))
+                      for m in metas_by_sender]
         self.groups = groups
         self.device = device
         self.order = [m.name for m in metas_by_sender[0]]  # checkpoint order

@@ -79,7 +79,7 @@ def open_weight_sender(rt: Runtime, model: torch.nn.Module) -> WeightSender:
     r = rt.role.index
     # the engines hold model.dtype; the trainer's master weights may be wider (float32)
     sender = WeightSender(model, r, rt.cfg.sync.bucket_mb, None, rt.device, rt.store,
-                          wire_dtype=DTYPES[rt.cfg.model.dtype])
+                          wire_dtype=DTYPES[rt.cfg.model.dtype], solo_mb=rt.cfg.sync.solo_mb)
     rt.store.set(f"wsync/meta/{r}", metas_to_json(sender.metas))
     n_gen = len(rt.layout.generator_global_ranks)
     sender.group = make_group(rt.group_spec(f"wsync{r}", 0, 1 + n_gen))
@@ -146,7 +146,8 @@ def run_trainer(rt: Runtime) -> None:
                           resumed_at=rt.resume.get("step")) if r == 0 else None)
     log(rt, f"policy {model_path} sharded over {T} trainer rank(s); "
             f"sends {sender.bytes_per_sync / 2**20:.2f} MiB of shards per weight sync in "
-            f"{len(sender.buckets)} bucket(s)")
+            f"{len(sender.buckets)} bucket(s), {sum(sender.direct)} of them straight from the "
+            "parameters")
 
     timeline = Timeline(rt.run_dir, rt.role.rank, rt.role.name)
     version, dropped_total, k = 0, 0, cfg.sync.max_staleness

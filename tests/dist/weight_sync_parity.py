@@ -117,15 +117,12 @@ def compare_with_hf(model_dir, state_path, ids, greedy, sampled) -> tuple[bool, 
 
 
 if __name__ == "__main__":
-    import llamarl.parallel.weight_sync as weight_sync
-
-    # Pieces of 16 KiB and more travel alone and the engine receives them in place (the
-    # weight matrices of the tiny model); the small ones are packed, received into buffers
-    # and copied: both paths are checked.
-    weight_sync.SOLO_BYTES = 16 << 10
+    # Pieces of 16 KiB and more travel alone, sent from the trainer's parameters and received
+    # in place by the engine (the weight matrices of the tiny model); the small ones are
+    # packed, received into buffers and copied: both paths are checked.
     model_dir = os.environ["MODEL_DIR"]
     cfg = load_config(None, [f"model.path={model_dir}", "generator.max_model_len=64",
-                             "sync.bucket_mb=1",
+                             "sync.bucket_mb=1", "sync.solo_mb=0.015625",
                              "generator.max_new_tokens=10", "trainer.lr=3e-3",
                              f"run.output_dir={os.environ['RUNS']}"])
     env = from_environ()
