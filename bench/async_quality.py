@@ -4,14 +4,21 @@ number of trainer steps, for each of --seeds, one run after the other, and write
 reward against trainer step and against wall-clock time: `async_quality.csv`,
 `async_quality.json` and (with matplotlib) `async_quality.png` (mean over seeds) in --out.
 
-    python bench/async_quality.py [--steps 250] [--seeds 0 1] [--correction tis] [--lr 3e-4]
-                                  [--ks 0 1 2] [key=value]
+    python bench/async_quality.py [--steps 250] [--seeds 0 1 2 3] [--correction none]
+                                  [--lr 3e-4] [--ks 0 1 2] [--eval-samples 16] [key=value]
     python bench/async_quality.py --merge DIR [DIR ...] --out DIR   # runs made separately
 
+Runs of the same seed share the initial model and the prompt order, so the bench reports
+the gap k - sync per seed (paired) with its standard error, next to the seed-to-seed std of
+sync: the noise a gap is measured against. `--correction none` is PPO's clipped objective
+with the ratio taken against the behaviour policy (see llamarl/algorithms/policy_loss.py).
+
 The learning rate sets how far one optimizer step moves the policy, which is what staleness
-costs: at the default recipe's lr 1e-3 one step moves the tiny model by a mismatch KL of ~0.03
-nats/token (median, k=1), far more than LLM RL steps do, and k >= 1 trails k = 0; at 3e-4
-(~0.005 per step) it does not. The comparison runs at --lr (3e-4) for every k.
+costs: at the default recipe's lr 1e-3 one step moves the tiny model by a mismatch KL of
+~0.02-0.04 nats/token, far more than LLM RL steps do, and single runs scatter by +-0.04; at
+3e-4 (~0.002 per step, ~0.005 over two) k = 1 matches sync and k = 2 trails by ~0.02; at
+1.5e-4 (~0.0015 over two steps) k = 2 matches sync (+0.002 +- 0.003 over 4 seeds). The
+comparison runs at --lr for every k.
 """
 
 from __future__ import annotations
