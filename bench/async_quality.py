@@ -118,7 +118,7 @@ def plot(results: list[dict], label: str, path: Path) -> bool:
     axes[0].set_xlabel("trainer step")
     axes[1].set_xlabel("wall clock since the first step (s)")
     for ax in axes:
-        ax.set_ylabel("held-out reward (sampled): mean, standard error over seeds")
+        ax.set_ylabel("held-out reward, mean +- s.e. over seeds")
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle("tiny GRPO on CPU: synchronous vs bounded-staleness asynchronous")
