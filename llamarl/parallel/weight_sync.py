@@ -10,7 +10,7 @@ Per sync i, on trainer r (all T in lockstep with the same version):
     trainer 0: store `wsync/version/<i>` = policy version        (one key: the announcement)
     flat_b[off_j : off_j + n_j] = local shard of tensor j        (bucket b: one dtype,
     post broadcast(flat_b, root=r on wsync<r>)                     <= bucket_mb; in order)
-    (a shard of >= SOLO_BYTES is its own bucket, broadcast from the parameter itself)
+    (a shard of >= sync.solo_mb is its own bucket, broadcast from the parameter itself)
 and on each generator worker, woken by the announcement:
     post the receives of all buckets of all T senders into the receive buffers
     as each bucket arrives: write its rows into the engine's parameters
@@ -88,8 +88,8 @@ class Bucket:
 # this 2-core CPU (gloo, 110M model in 2 FSDP2 shards, bench/weight_sync.py), where each
 # copy takes CPU from the loopback transfer, the sync ran at 0.69x of the raw transfer with
 # 16 MiB (4 messages per sender, 340 MB copied by the engine), 0.69x with 1 MiB (86
-# messages, nothing copied) and ~0.8x with 2 MiB (38 messages: the MLP shards alone, the
-# attention shards packed).
+# messages, nothing copied) and 0.78x with 2 MiB (38 messages: the MLP shards alone, the
+# attention shards packed), medians. The default of the recipe key sync.solo_mb.
 SOLO_BYTES = 2 << 20
 
 
@@ -297,8 +297,10 @@ class WeightSender:
 
 def _sendable_as_is(t: torch.Tensor | None, bucket: Bucket, device: torch.device) -> bool:
     """Whether `t`, a bucket's one piece, can be broadcast as it is (no copy into a buffer)."""
+    device = torch.device(device)
     return (t is not None and t.is_contiguous() and str(t.dtype) == bucket.dtype
-            and t.numel() == bucket.numel and t.device == torch.device(device))
+            and t.numel() == bucket.numel and t.device.type == device.type
+            and (device.index is None or t.device.index == device.index))
 
 
 def _kind(t: torch.Tensor) -> str:
