@@ -219,9 +219,10 @@ class WeightSender:
         self._sources = [(name, *_owner(model, name), _kind(t)) for name, t in tensors.items()]
         # Buckets sent straight from their one tensor (not a replicated one: that is gathered
         # anew every sync) get no buffer (None) and no slots.
-        own = {name: t.to_local() if kind == "shard" else t
-               for name, _, _, kind in self._sources if kind != "replicated"
-               for t in [tensors[name]]}
+        own = {}
+        for name, _, _, kind in self._sources:
+            if kind != "replicated":
+                own[name] = tensors[name].to_local() if kind == "shard" else tensors[name]
         self.direct = [len(b.entries) == 1
                        and _sendable_as_is(own.get(b.entries[0][0].name), b, device)
                        for b in self.buckets]
