@@ -66,12 +66,22 @@ def run(k: int, seed: int, correction: str, steps: int, eval_every: int,
             "wall_s": metrics[-1]["elapsed_s"]}
 
 
-def mean_curves(results: list[dict]) -> dict[int, list[dict]]:
-    """Per k: the held-out reward and wall clock at each eval step, averaged over seeds."""
+def series(r: dict) -> str:
+    """The curve a run belongs to: its k and, for k >= 2 (the only runs it changes), whether
+    the generators waited for fresh weights while a batch was queued (sync.prefer_fresh, the
+    default) or ran k versions ahead (sync.prefer_fresh=false)."""
+    name = f"k={r['k']}"
+    if r["k"] >= 2 and "sync.prefer_fresh=false" in r.get("settings", []):
+        name += ", k ahead"
+    return name
+
+
+def mean_curves(results: list[dict]) -> dict[str, list[dict]]:
+    """Per series: the held-out reward and wall clock at each eval step, averaged over seeds."""
     out = {}
-    for k in sorted({r["k"] for r in results}):
-        runs = [r["points"] for r in results if r["k"] == k]
-        out[k] = [{"step": pts[0]["step"],
+    for name in sorted({series(r) for r in results}):
+        runs = [r["points"] for r in results if series(r) == name]
+        out[name] = [{"step": pts[0]["step"],
                    "wall_s": sum(p["wall_s"] for p in pts) / len(pts),
                    "reward_mean": sum(p["reward_mean"] for p in pts) / len(pts),
                    "spread": max(p["reward_mean"] for p in pts) -
@@ -82,19 +92,21 @@ def mean_curves(results: list[dict]) -> dict[int, list[dict]]:
     return out
 
 
-def paired_gaps(results: list[dict]) -> dict[int, dict]:
-    """Per k > 0: the final held-out reward minus k = 0's in the same seed (same initial model
-    and prompts), averaged over seeds, with its standard error; and the seed-to-seed standard
-    deviation of k = 0's final reward (the noise a gap is measured against)."""
-    final = {(r["k"], r["seed"]): r["points"][-1]["reward_mean"] for r in results}
-    sync = [v for (k, _), v in final.items() if k == 0]
+def paired_gaps(results: list[dict]) -> dict[str, dict]:
+    """Per series with k > 0: the final held-out reward minus k = 0's in the same seed (same
+    initial model and prompts), averaged over seeds, with its standard error; and the
+    seed-to-seed standard deviation of k = 0's final reward (the noise a gap is measured
+    against)."""
+    final = {(series(r), r["seed"]): r["points"][-1]["reward_mean"] for r in results}
+    sync = [v for (name, _), v in final.items() if name == "k=0"]
     out = {}
-    for k in sorted({k for k, _ in final if k > 0}):
-        gaps = [final[k, s] - final[0, s] for kk, s in final if kk == k and (0, s) in final]
+    for name in sorted({name for name, _ in final if name != "k=0"}):
+        gaps = [final[name, s] - final["k=0", s] for n, s in final
+                if n == name and ("k=0", s) in final]
         if len(gaps) < 2:
             continue
         mean = statistics.mean(gaps)
-        out[k] = {"gap_mean": mean, "gap_se": statistics.stdev(gaps) / len(gaps) ** 0.5,
+        out[name] = {"gap_mean": mean, "gap_se": statistics.stdev(gaps) / len(gaps) ** 0.5,
                   "seeds": len(gaps), "sync_seed_std": statistics.stdev(sync)}
     return out
 
@@ -107,8 +119,8 @@ def plot(results: list[dict], label: str, path: Path) -> bool:
     except ImportError:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for k, pts in mean_curves(results).items():
-        name = f"k={k}" + (f" ({label})" if k else " (sync)")
+    for name, pts in mean_curves(results).items():
+        name += f" ({label})" if name != "k=0" else " (sync)"
         xs = [p["step"] for p in pts]
         ws = [p["wall_s"] for p in pts]
         ys = [p["reward_mean"] for p in pts]
@@ -172,16 +184,18 @@ def main() -> None:
                 out / "async_quality.png")
     for r in results:
         first, last = r["points"][0], r["points"][-1]
-        print(f"k={r['k']} seed {r['seed']}: held-out reward {first['reward_mean']:.3f} -> "
+        used = (f", staleness used {r['staleness_mean']:.2f}, mismatch KL "
+                f"{r['mismatch_kl_median']:.4f}" if "staleness_mean" in r else "")
+        print(f"{series(r)} seed {r['seed']}: held-out reward {first['reward_mean']:.3f} -> "
               f"{last['reward_mean']:.3f} after {last['step']} steps in {r['wall_s']:.0f} s "
-              f"(greedy {last['reward_mean_greedy']:.3f})")
-    for k, pts in mean_curves(results).items():
-        print(f"k={k}: mean held-out reward after {pts[-1]['step']} steps "
+              f"(greedy {last['reward_mean_greedy']:.3f}{used})")
+    for name, pts in mean_curves(results).items():
+        print(f"{name}: mean held-out reward after {pts[-1]['step']} steps "
               f"{pts[-1]['reward_mean']:.3f} (spread over seeds {pts[-1]['spread']:.3f}), "
               f"mean wall clock {pts[-1]['wall_s']:.0f} s")
     gaps = paired_gaps(results)
-    for k, g in gaps.items():
-        print(f"k={k} minus k=0, same seed, final held-out reward: {g['gap_mean']:+.3f} "
+    for name, g in gaps.items():
+        print(f"{name} minus k=0, same seed, final held-out reward: {g['gap_mean']:+.3f} "
               f"+- {g['gap_se']:.3f} (standard error over {g['seeds']} seeds; the seed-to-seed "
               f"std of k=0 is {g['sync_seed_std']:.3f})")
     (out / "async_quality_gaps.json").write_text(json.dumps(gaps, indent=1))

@@ -183,6 +183,12 @@ class RewardConfig:
 class SyncConfig:
     every: int = 1  # broadcast weights every N optimizer steps
     max_staleness: int = 0  # 0 = strictly on-policy
+    # With max_staleness >= 2: while an engine's previous batch still waits in the buffer, the
+    # engine waits for the newest weights the trainer will publish before taking that batch,
+    # instead of sampling from weights max_staleness versions old. The trainer has work queued
+    # meanwhile, so nothing idles in steady state; max_staleness stays the bound for batches
+    # made while the buffer is empty (a slow generator). false: always run max_staleness ahead.
+    prefer_fresh: bool = True
     bucket_mb: int = 64  # flat-buffer size per broadcast message (pipelined with packing)
     # A shard this large is broadcast alone, straight from the trainer's parameter into the
     # engine's (no copy at either end); smaller ones are packed into buckets and copied.

@@ -109,6 +109,9 @@ def test_producer_close_unlinks_unconsumed_segments():
     ch.put(make_batch(2, 2, seed=0))
     ch.put(make_batch(2, 2, seed=1))
     assert len(list(SHM_DIR.glob(segment_prefix(run_id) + "*"))) == 2
+    assert ch.unconsumed() == 2
+    ShmChannel(server, run_id, "e0t1", 4).get()  # the consumer takes one
+    assert ch.unconsumed() == 1
     ch.close()
     assert not list(SHM_DIR.glob(segment_prefix(run_id) + "*"))
 

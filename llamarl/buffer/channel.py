@@ -41,7 +41,7 @@ class Channel:
         """Publish `batch`; blocks while `capacity` batches are unconsumed. Returns False,
         without publishing, if `abort()` turns true while blocked."""
         t0 = time.perf_counter()
-        while self._seq - self._acked() >= self.capacity:
+        while self.unconsumed() >= self.capacity:
             self.check_alive()
             if abort():
                 self.wait_s += time.perf_counter() - t0
@@ -56,6 +56,10 @@ class Channel:
         self.store.queue_push(self.queue_key, json.dumps(desc))
         self.last_put_s = time.perf_counter() - t1
         return True
+
+    def unconsumed(self) -> int:
+        """Producer side: batches published that the consumer has not taken yet."""
+        return self._seq - self._acked()
 
     def _acked(self) -> int:
         return self.store.add(self.acked_key, 0)

@@ -5,6 +5,8 @@ Loop of engine e with max_staleness = k, V = version of the loaded weights:
     eval(V=0)
     for b = 0, 1, 2, ...:                              # b: rollout batch index = trainer step
         receive every announced weight broadcast; block until V >= b - k
+        (sync.prefer_fresh, k >= 2: while batch b - 1 of this engine is still unconsumed,
+         block on until V >= b - 1, the version the trainer publishes before taking it)
         stop once V reaches the trainer's final version
         groups = engine.generate(next prompts of shard e, n samples each)     # policy V
         rewards = scorer(groups)          # with dynamic sampling: repeat for the groups dropped
@@ -16,12 +18,19 @@ Loop of engine e with max_staleness = k, V = version of the loaded weights:
 k = 0 is strictly on-policy: batch b is sampled from exactly the weights of trainer step b.
 With k >= 1 generation of batch b overlaps training on batch b - 1 and the trainer sees
 samples at most k versions old. Only the engine leader ships rollouts and writes evaluations.
+
+Why prefer fresh weights: a generator faster than the trainer runs as far ahead as k allows, so
+every sample would be exactly k versions old. While its previous batch is still queued, the
+trainer cannot want batch b before it has published version b - 1 and trained one step on
+batch b - 1; sampling b from version b - 1 (as with k = 1) costs it nothing in steady state.
+k then bounds only batches made while the buffer is empty, i.e. when generation falls behind.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 
 from llamarl.buffer.channel import open_channel
 from llamarl.buffer.record import RolloutBatch, split_groups
@@ -127,8 +136,16 @@ def run_generator(rt: Runtime) -> None:
         weights.resumed_at(b)
     else:
         evaluator.run(step=0, version=0)
+    # Only the leader sees the channels; tp > 1 engines (rejected by the config for now) would
+    # need its decision shared with their other ranks.
+    prefer_fresh = cfg.sync.prefer_fresh and k >= 2 and leader
+
+    def queued() -> bool:  # a batch of this engine still waits for the trainer
+        return any(ch.unconsumed() > 0 for ch in channels)
+
     try:
-        while weights.follow(need=b - k):
+        while weights.follow(need=b - k, queued=queued, prefer=fresh_version(b, k, cfg.sync.every)
+                             if prefer_fresh else None):
             batch = sample_batch(rt, engine, loader.next, scorer, weights.version, b, timeline)
             # the loader's position right after this batch (dynamic sampling draws a varying
             # number of prompts per batch)
@@ -151,6 +168,12 @@ def run_generator(rt: Runtime) -> None:
     if extra:
         log(rt, f"{extra} rollout batch(es) generated ahead of the last trainer step were "
                 "not needed and were discarded")
+
+
+def fresh_version(b: int, k: int, every: int) -> int:
+    """The newest version the trainer publishes before it takes batch b - 1: b - 1 rounded
+    down to a multiple of `every` (sync.every), and never below the bound b - k."""
+    return max(b - k, (b - 1) // every * every)
 
 
 class WeightFollower:
@@ -189,15 +212,18 @@ class WeightFollower:
             while self.next_eval <= v:
                 self.next_eval += self.rt.cfg.run.eval_every
 
-    def follow(self, need: int) -> bool:
-        """Load announced weights until version >= need. False once the trainer is done and
-        its final weights are loaded (no more batches are needed)."""
+    def follow(self, need: int, prefer: int | None = None,
+               queued: Callable[[], bool] = lambda: False) -> bool:
+        """Load announced weights until version >= need, and on until version >= prefer
+        while `queued()` (the trainer still has a batch of this engine to train on). False
+        once the trainer is done and its final weights are loaded (no more batches needed)."""
         while True:
             while (v := announced_version(self.rt.store, self.received)) is not None:
                 self._load(v)  # every announced broadcast, in order (the senders wait for it)
             if self.trainer_done() and self.version >= self.final:
                 return False
-            if self.version >= need:
+            if self.version >= need and (prefer is None or self.version >= prefer
+                                         or not queued()):
                 return True
             self.rt.watchdog.check()
             # Woken by the store the moment trainer 0 announces the next broadcast: no
