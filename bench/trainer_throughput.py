@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -137,8 +138,12 @@ def main() -> None:
         out = {"world": world, "device": torch.cuda.get_device_name() if cuda else "cpu",
                **vars(args), "results": results,
                "ppo_over_grpo_time": results["ppo"]["update_s"] / results["grpo"]["update_s"]}
-        print(json.dumps(out, indent=1))
+        print(json.dumps(out, indent=1), flush=True)
     dist.destroy_process_group()
+    # as llamarl.launch does: a normal interpreter exit after destroy_process_group can abort
+    # in finalization (torch 2.13, gloo; see tests/dist/trainer_world.py)
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

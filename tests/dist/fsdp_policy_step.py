@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from test_buffer import make_batch  # noqa: E402
-from trainer_world import trainer_world  # noqa: E402
+from trainer_world import exit_process, trainer_world  # noqa: E402
 
 from llamarl.buffer.record import split_groups  # noqa: E402
 from llamarl.config import load_config  # noqa: E402
@@ -54,4 +54,4 @@ if __name__ == "__main__":
         out["critic"] = full(critic.model)
     if rank == 0:
         torch.save(out, os.environ["OUT"])
-    dist.destroy_process_group()
+    exit_process()

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from test_buffer import make_batch  # noqa: E402
-from trainer_world import trainer_world  # noqa: E402
+from trainer_world import exit_process, trainer_world  # noqa: E402
 
 from llamarl.tiny.model import build_tokenizer  # noqa: E402
 from llamarl.trainer.reward_model import TrainerRewardModel  # noqa: E402
@@ -39,4 +39,4 @@ if __name__ == "__main__":
         out[case] = {"batch": batch.columns() if batch is not None else None,
                      "scores": scores, "mean": mean}
     torch.save(out, f"{os.environ['OUT']}.{rank}")
-    dist.destroy_process_group()
+    exit_process()
