@@ -14,14 +14,18 @@ generator confirms through the store:
         parallel, in 64 MB messages (RAW_CHUNK_MB: on this machine 64 MB messages move 1.4x
         faster than one 219 MB message); the generator, blocked on the store key, wakes and
         receives them in the vLLM worker (collective_rpc);
+  raw_p2p: the same as gloo point-to-point messages, every one posted at once (how a sync of
+        more than two buckets per sender travels, see parallel.groups.point_to_point): the
+        strictest baseline for such a sync, its wire with nothing around it;
   raw_single: trainer 0 alone broadcasts every byte of the model in one message (the
         baseline of the first measurements: a weaker one for large models).
 All end with the same acknowledgement (the generator sets a store key, trainer 0 waits on
-it). Every round first changes the weights (untimed); after the last round the engine's
-weights must sum to the trainer's. Round 0 is a warm-up (and the sync's round 0 records the
-engine's load_weights, see llamarl/parallel/load_replay.py). Reports medians and
+it). Each kind runs in a block of --rounds + 1 rounds of its own, the first a warm-up (the
+sync's records the engine's load_weights, see llamarl/parallel/load_replay.py). Every sync
+round first changes the weights (untimed); after the last one the engine's weights must sum
+to the trainer's. Reports medians and
 raw_s / sync_s (1.0 = the sync costs no more than moving the same bytes between the same
-processes the same way) and raw_single_s / sync_s.
+processes the same way), raw_p2p_s / sync_s and raw_single_s / sync_s.
 
     torchrun --standalone --nproc-per-node 3 bench/weight_sync.py --model tiny|100m
 """
@@ -95,11 +99,15 @@ def main() -> None:
 # On this machine gloo moves 219 MB fastest as 64 MB messages (1.4x faster than as one
 # message, ~15% faster than as 16 MB ones): raw always gets that.
 RAW_CHUNK_MB = 64
+# Measured one after the other, each in a block of rounds (a warm-up first): the sync in its
+# steady state, as in training, and each raw transfer in its own. (Interleaved round by round,
+# a 1 ms transfer took up to 2x as long depending on which one went before it.)
+METHODS = ("sync", "raw", "raw_p2p", "raw_single")
 
 
 def trainer(rt, args) -> None:
     from llamarl.parallel.fsdp import apply_fsdp
-    from llamarl.parallel.groups import broadcast
+    from llamarl.parallel.groups import broadcast, post_to_all
     from llamarl.trainer.loop import init_trainer_group, open_weight_sender
     from llamarl.trainer.policy import load_policy
 
@@ -118,37 +126,39 @@ def trainer(rt, args) -> None:
     opts = torch.distributed.BroadcastOptions()
     opts.rootRank, opts.rootTensor = 0, 0
     whole = torch.ones(nbytes, dtype=torch.uint8) if r == 0 else None
-    sync_s, raw_s, raw_single_s, publish_s = [], [], [], []
-    for i in range(args.rounds + 1):  # round 0 warms up every path
-        with torch.no_grad():  # new weights every round, as after an optimizer step
-            for p in model.parameters():
-                p.add_(1e-3)
-        torch.distributed.barrier()
-        t0 = time.perf_counter()
-        sender.publish(model, version=i + 1)  # as the training loop does after a step
-        t1 = time.perf_counter()
-        if r == 0:
-            rt.wait_key(f"bench/loaded/{i}")
-            sync_s.append(time.perf_counter() - t0)
-            publish_s.append(t1 - t0)  # what the training loop waits for
-        sender.wait()
-
-        torch.distributed.barrier()  # raw: every trainer its share, in parallel, in chunks
-        t0 = time.perf_counter()
-        if r == 0:
-            rt.store.set(f"bench/raw/{i}", json.dumps([shares, chunk]))
-        works = [sender.group.broadcast([c], opts) for c in share.split(chunk)]
-        for work in works:
-            work.wait()
-        if r == 0:
-            rt.wait_key(f"bench/raw_done/{i}")
-            raw_s.append(time.perf_counter() - t0)
-
-            t0 = time.perf_counter()  # raw, single sender: trainer 0 sends every byte at once
-            rt.store.set(f"bench/raw_single/{i}", json.dumps([[nbytes], nbytes]))
-            broadcast(sender.group, whole, root=0)
-            rt.wait_key(f"bench/raw_single_done/{i}")
-            raw_single_s.append(time.perf_counter() - t0)
+    times: dict[str, list[float]] = {m: [] for m in METHODS}
+    publish_s: list[float] = []
+    version = 0
+    for method in METHODS:  # each in a block of its own rounds, round 0 a warm-up
+        for i in range(args.rounds + 1):
+            if method == "sync":
+                with torch.no_grad():  # new weights every round, as after an optimizer step
+                    for p in model.parameters():
+                        p.add_(1e-3)
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            if method == "sync":
+                version += 1
+                sender.publish(model, version=version)  # as the training loop does
+                t1 = time.perf_counter()
+                if r == 0:
+                    rt.wait_key(f"bench/loaded/{version - 1}")
+                    publish_s.append(t1 - t0)  # what the training loop waits for
+                sender.wait()
+            elif method in ("raw", "raw_p2p"):  # every trainer its share, in parallel
+                if r == 0:
+                    rt.store.set(f"bench/{method}/{i}", json.dumps([shares, chunk]))
+                works = [w for j, c in enumerate(share.split(chunk))
+                         for w in post_to_all(sender.group, c, j, p2p=method == "raw_p2p")]
+                for work in works:
+                    work.wait()
+                if r == 0:
+                    rt.wait_key(f"bench/{method}_done/{i}")
+            elif r == 0:  # raw_single: trainer 0 sends every byte in one broadcast
+                rt.store.set(f"bench/{method}/{i}", json.dumps([[nbytes], nbytes]))
+                broadcast(sender.group, whole, root=0)
+                rt.wait_key(f"bench/{method}_done/{i}")
+            times[method].append(time.perf_counter() - t0)
     with torch.no_grad():  # a collective: both trainer ranks
         checksum = sum(float(p.full_tensor().double().sum()) for p in model.parameters())
     if r == 0:
@@ -156,9 +166,8 @@ def trainer(rt, args) -> None:
         if abs(engine_sum - checksum) > 1e-9 * max(1.0, abs(checksum)):
             raise RuntimeError(f"the engine's weights differ from the trainer's after the last "
                                f"sync: sum {engine_sum} vs {checksum}")
-        med = {k: statistics.median(v[1:]) for k, v in (
-            ("sync_s", sync_s), ("raw_s", raw_s), ("raw_single_s", raw_single_s),
-            ("publish_s", publish_s))}
+        med = {f"{m}_s": statistics.median(v[1:]) for m, v in times.items()}
+        med["publish_s"] = statistics.median(publish_s[1:])
         report = {"model": args.model, "bytes": nbytes, "trainer_ranks": rt.layout.trainer_ranks,
                   "bucket_mb": rt.cfg.sync.bucket_mb, "solo_mb": rt.cfg.sync.solo_mb,
                   "buckets": len(sender.buckets), "sent_as_is": sum(sender.direct),
@@ -167,6 +176,7 @@ def trainer(rt, args) -> None:
                   "sync_bytes_per_s": nbytes / med["sync_s"],
                   "raw_bytes_per_s": nbytes / med["raw_s"],
                   "ratio_raw_over_sync": med["raw_s"] / med["sync_s"],
+                  "ratio_raw_p2p_over_sync": med["raw_p2p_s"] / med["sync_s"],
                   "ratio_raw_single_over_sync": med["raw_single_s"] / med["sync_s"]}
         print("WEIGHT_SYNC " + json.dumps(report), flush=True)
         if args.out:
@@ -194,14 +204,16 @@ def generator(rt, args) -> None:
 
     engine.receive_weights = receive_and_confirm
     weights = WeightFollower(rt, engine, None, Timeline(rt.run_dir, rt.role.rank, rt.role.name))
-    for i in range(args.rounds + 1):
+    for i in range(args.rounds + 1):  # the sync's block (see trainer)
         weights.follow(need=i + 1)
         assert weights.version == i + 1, (weights.version, i)
-        for raw in ("raw", "raw_single"):
-            sizes, chunk = json.loads(rt.wait_key(f"bench/{raw}/{i}"))
-            engine.llm.collective_rpc("llamarl_receive_raw", args=(sizes, chunk))
-            rt.store.set(f"bench/{raw}_done/{i}", "1")
     rt.store.set("bench/checksum", str(engine.checksum()))  # the last sync's weights
+    for method in METHODS[1:]:
+        for i in range(args.rounds + 1):
+            sizes, chunk = json.loads(rt.wait_key(f"bench/{method}/{i}"))
+            engine.llm.collective_rpc("llamarl_receive_raw",
+                                      args=(sizes, chunk, method == "raw_p2p"))
+            rt.store.set(f"bench/{method}_done/{i}", "1")
     rt.store.set("bench/load_s", str(statistics.median(load_s[1:])))  # receive + load + reset
     rt.wait_key("bench/done")
 

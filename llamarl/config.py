@@ -192,7 +192,7 @@ class SyncConfig:
     bucket_mb: int = 64  # flat-buffer size per broadcast message (pipelined with packing)
     # A shard this large is broadcast alone, straight from the trainer's parameter into the
     # engine's (no copy at either end); smaller ones are packed into buckets and copied.
-    solo_mb: float = 2.0
+    solo_mb: float = 1.0
     timeout_s: float = 1800.0  # longest a collective may block (a dead peer is found sooner)
     dead_peer_s: float = 30.0  # a rank silent this long is declared dead
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from llamarl.generator.cpu_fixes import disable_onednn_prepack
-from llamarl.parallel.groups import GroupSpec, make_group
+from llamarl.parallel.groups import GroupSpec, make_group, post_from_root
 from llamarl.parallel.weight_sync import WeightReceiver, metas_from_json
 
 # Runs at import, which vLLM does before the worker loads the model (see cpu_fixes).
@@ -35,10 +35,11 @@ class LlamarlWorkerExtension:
         """Receive one full set of weights from the trainer and load it into the model."""
         return self._llamarl_receiver.receive(self.model_runner.model)
 
-    def llamarl_receive_raw(self, nbytes: list[int], chunk_bytes: int) -> int:
+    def llamarl_receive_raw(self, nbytes: list[int], chunk_bytes: int, p2p: bool = False) -> int:
         """Receive nbytes[r] bytes from each trainer rank r on its weight group, in broadcasts
-        of at most `chunk_bytes`, all posted at once, and discard them: the raw transfer that
-        a weight sync is measured against (bench/weight_sync.py)."""
+        (with `p2p`: gloo's point-to-point messages, see groups.point_to_point) of at most
+        `chunk_bytes`, all posted at once, and discard them: the raw transfers that a weight
+        sync is measured against (bench/weight_sync.py)."""
         receiver = self._llamarl_receiver
         if not hasattr(self, "_llamarl_raw"):
             self._llamarl_raw = {}  # receive buffers by sizes, reused like the weights' ones
@@ -46,11 +47,9 @@ class LlamarlWorkerExtension:
         if key not in self._llamarl_raw:
             self._llamarl_raw[key] = [torch.empty(n, dtype=torch.uint8, device=receiver.device)
                                       for n in nbytes]
-        opts = torch.distributed.BroadcastOptions()
-        opts.rootRank, opts.rootTensor = 0, 0
-        works = [group.broadcast([chunk], opts)
+        works = [post_from_root(group, chunk, i, p2p)
                  for group, buf in zip(receiver.groups, self._llamarl_raw[key])
-                 for chunk in buf.split(chunk_bytes)]
+                 for i, chunk in enumerate(buf.split(chunk_bytes))]
         for work in works:
             work.wait()
         return sum(nbytes)

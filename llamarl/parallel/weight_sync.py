@@ -9,8 +9,8 @@ links work in parallel.
 Per sync i, on trainer r (all T in lockstep with the same version):
     trainer 0: store `wsync/version/<i>` = policy version        (one key: the announcement)
     flat_b[off_j : off_j + n_j] = local shard of tensor j        (bucket b: one dtype,
-    post broadcast(flat_b, root=r on wsync<r>)                     <= bucket_mb; in order)
-    (a shard of >= sync.solo_mb is its own bucket, broadcast from the parameter itself)
+    post flat_b to every generator on wsync<r>, tag b               <= bucket_mb; in order)
+    (a shard of >= sync.solo_mb is its own bucket, sent from the parameter itself)
 and on each generator worker, woken by the announcement:
     post the receives of all buckets of all T senders into the receive buffers
     as each bucket arrives: write its rows into the engine's parameters
@@ -22,13 +22,16 @@ Each sender publishes its shard layout once (`wsync/meta/<r>`: name, dtype, full
 first row); replicated tensors (or a model without FSDP2) are sent by trainer 0 alone. The
 announcement comes before the broadcast, so a generator waiting between two generation
 batches posts its receives while the trainers pack, and receives every broadcast in order.
-Send and receive buffers are allocated once: one sync is in flight at a time.
+Send and receive buffers are allocated once: one sync is in flight at a time. The messages
+go through groups.post_to_all: NCCL broadcasts on GPU; gloo's point-to-point send and recv
+on CPU, every message of a sync posted at once.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,6 +40,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from llamarl.parallel.groups import point_to_point, post_from_root, post_to_all
 from llamarl.parallel.load_replay import LoadRecorder, split_rows, storage_id
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
@@ -81,16 +85,17 @@ class Bucket:
     numel: int
 
 
-# A piece this large travels in a message of its own: the sender broadcasts it straight from
-# the parameter (no snapshot, see WeightSender.guard) and the receiver posts the message
-# straight into the engine parameter it ends up in (see WeightReceiver): no copy at either
-# end. Smaller pieces are packed into buckets, since every message costs a rendezvous. On
-# this 2-core CPU (gloo, 110M model in 2 FSDP2 shards, bench/weight_sync.py), where each
-# copy takes CPU from the loopback transfer, the sync ran at 0.69x of the raw transfer with
-# 16 MiB (4 messages per sender, 340 MB copied by the engine), 0.69x with 1 MiB (86
-# messages, nothing copied) and 0.78x with 2 MiB (38 messages: the MLP shards alone, the
-# attention shards packed), medians. The default of the recipe key sync.solo_mb.
-SOLO_BYTES = 2 << 20
+# A piece this large travels in a message of its own: the sender sends it straight from the
+# parameter (no snapshot, see WeightSender.guard) and the receiver posts the message straight
+# into the engine parameter it ends up in (see WeightReceiver): no copy at either end.
+# Smaller pieces are packed into buckets, since every message costs a rendezvous. On this
+# 2-core CPU (gloo, 110M model in 2 FSDP2 shards, bench/weight_sync.py), where each copy
+# takes CPU from the loopback transfer: with gloo broadcasts (two in flight per group) 2 MiB
+# did best (38 messages per sender, the attention shards packed; 0.78x of the raw transfer,
+# against 0.69x for 1 MiB and for 16 MiB); with every message posted at once
+# (groups.post_to_all) 1 MiB does best (86 messages, nothing copied; 0.85-0.92x against
+# 0.78-0.82x for 2 MiB, runs side by side). The default of the recipe key sync.solo_mb.
+SOLO_BYTES = 1 << 20
 
 
 def plan_buckets(metas: list[TensorMeta], bucket_bytes: int,
@@ -233,6 +238,8 @@ class WeightSender:
                        [(m.name, flat[off:off + m.numel].view(m.piece_shape))
                         for m, off in b.entries] for b, flat in zip(self.buckets, self._flats)]
         self._works: list[dist.Work] = []
+        self._waiter: threading.Thread | None = None  # gloo: waits for the sync in flight
+        self._error: BaseException | None = None
         self._announced = 0
 
     def _local_tensors(self) -> dict[str, torch.Tensor]:
@@ -262,24 +269,46 @@ class WeightSender:
             self.store.set(f"wsync/version/{self._announced}", str(version))
             self._announced += 1
         t0 = time.perf_counter()
-        opts = dist.BroadcastOptions()
-        opts.rootRank, opts.rootTensor = 0, 0
+        works = []
+        p2p = point_to_point(self.group, len(self.buckets))
         with torch.no_grad():
             local = self._local_tensors()
-            for bucket, slots, flat in zip(self.buckets, self._slots, self._flats):
+            for b, (bucket, slots, flat) in enumerate(zip(self.buckets, self._slots,
+                                                          self._flats)):
                 if flat is None:  # straight from the parameter (see guard)
                     (meta, _), = bucket.entries
-                    self._works.append(self.group.broadcast([local[meta.name].view(-1)], opts))
+                    works += post_to_all(self.group, local[meta.name].view(-1), b, p2p)
                     continue
                 pieces = [local[name] for name, _ in slots]
                 for (name, slot), piece in zip(slots, pieces):
                     assert piece.shape == slot.shape, (name, piece.shape, slot.shape)
                 torch._foreach_copy_([slot for _, slot in slots], pieces)  # casts to the wire
-                self._works.append(self.group.broadcast([flat], opts))
-        futures = [w.get_future() for w in self._works]
-        if futures:
+                works += post_to_all(self.group, flat, b, p2p)
+        self._track(works, t0, p2p)
+
+    def _track(self, works: list[dist.Work], t0: float, p2p: bool) -> None:
+        """Time the sync in flight (`last_broadcast_s`) and keep what `wait` waits for."""
+        if not works:
+            return
+        if not p2p:  # a broadcast's future completes when it has been sent (NCCL: by the GPU)
+            futures = [w.get_future() for w in works]
             done = futures[0] if len(futures) == 1 else torch.futures.collect_all(futures)
             done.then(lambda _: setattr(self, "last_broadcast_s", time.perf_counter() - t0))
+            self._works = works
+            return
+
+        # gloo's sends have no future; one thread waits for them all (a work must have only
+        # one waiter), and `wait` joins it
+        def wait_all() -> None:
+            try:
+                for w in works:
+                    w.wait()
+                self.last_broadcast_s = time.perf_counter() - t0
+            except BaseException as e:  # noqa: BLE001 - raised again by wait()
+                self._error = e
+
+        self._waiter = threading.Thread(target=wait_all, daemon=True, name="llamarl-wsync")
+        self._waiter.start()
 
     def guard(self, optimizer: torch.optim.Optimizer) -> None:
         """Make `optimizer.step()` wait for the sync in flight: some buckets are sent straight
@@ -289,11 +318,17 @@ class WeightSender:
     def wait(self) -> None:
         """Block until the sync in flight (if any) has been sent."""
         works, self._works = self._works, []
+        waiter, self._waiter = self._waiter, None
         try:
             for w in works:
                 w.wait()
         except BaseException as e:
             raise RuntimeError(f"weight broadcast failed: {e}") from e
+        if waiter is not None:
+            waiter.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError(f"weight broadcast failed: {error}") from error
 
 
 def _sendable_as_is(t: torch.Tensor | None, bucket: Bucket, device: torch.device) -> bool:
@@ -377,9 +412,9 @@ class WeightReceiver:
         self.problem: str | None = None  # why loads are not replayed
 
     def _post(self, targets: list[list[torch.Tensor]]) -> list[list[dist.Work]]:
-        opts = dist.BroadcastOptions()
-        opts.rootRank, opts.rootTensor = 0, 0
-        return [[group.broadcast([t], opts) for t in sender_targets]
+        """Post the receive of every bucket of every sender now (bucket b: tag b)."""
+        return [[post_from_root(group, t, b, point_to_point(group, len(sender_targets)))
+                 for b, t in enumerate(sender_targets)]
                 for group, sender_targets in zip(self.groups, targets)]
 
     def receive(self, model: torch.nn.Module) -> int:

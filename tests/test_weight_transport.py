@@ -1,0 +1,91 @@
+"""The weight sync's transport on a real gloo pair in one process (group rank 0 = the trainer's
+sender, rank 1 = an engine's receives, each in its own thread): every bucket arrives intact
+through point-to-point messages posted at once, and the optimizer step waits until the shards
+sent straight from the parameters have left. (Across processes: tests/test_weight_sync.py.)"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from llamarl.parallel.groups import point_to_point, post_from_root, post_to_all
+from llamarl.parallel.weight_sync import _DTYPES, WeightSender
+from llamarl.tiny.model import build_model
+
+
+@pytest.fixture
+def gloo_pair():
+    """Two ranks of one gloo group, built in two threads (construction is a rendezvous), each
+    with its own store client."""
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=30),
+                           wait_for_workers=False)
+    groups = [None, None]
+
+    def join(rank: int) -> None:
+        store = server if rank == 0 else dist.TCPStore(
+            "127.0.0.1", server.port, None, False, timeout=timedelta(seconds=30))
+        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("wsync0", store), rank, 2,
+                                             timedelta(seconds=30))
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(g is not None for g in groups)
+    return groups
+
+
+def test_messages_pair_by_tag_whatever_the_posting_order(gloo_pair):
+    root, engine = gloo_pair
+    sent = [torch.arange(10.0) + i for i in range(3)]
+    got = [torch.empty(10) for _ in range(3)]
+    assert point_to_point(root, 3) and not point_to_point(root, 2)  # gloo: > 2 in flight
+    receives = [post_from_root(engine, got[i], i, p2p=True) for i in (2, 0, 1)]
+    sends = [w for i, t in enumerate(sent) for w in post_to_all(root, t, i, p2p=True)]
+    for w in receives + sends:
+        w.wait()
+    assert all(torch.equal(a, b) for a, b in zip(sent, got))
+
+
+@pytest.mark.parametrize("alone", [True, False], ids=["point-to-point", "broadcast"])
+def test_sync_arrives_intact_and_the_step_waits_until_it_has_left(gloo_pair, alone):
+    root, engine = gloo_pair
+    model, _ = build_model(0)
+    big = max(p.numel() for p in model.parameters())
+    # alone: the largest matrices travel alone, straight from the parameters (7 messages, so
+    # point to point); else the whole model is one packed bucket (one broadcast)
+    solo_mb = big * 4 / 2**20 if alone else None
+    sender = WeightSender(model, 0, 64, root, torch.device("cpu"), solo_mb=solo_mb)
+    assert point_to_point(root, len(sender.buckets)) == alone
+    assert any(sender.direct) == alone and not all(sender.direct)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sender.guard(opt)
+
+    sender.publish(model, version=None)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    step = threading.Thread(target=opt.step)
+    step.start()
+    step.join(0.5)
+    # nothing is received yet, so nothing has left: the step must still be waiting
+    assert step.is_alive(), "optimizer.step() did not wait for the weight sync in flight"
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+    bufs = [torch.empty(b.numel, dtype=_DTYPES[b.dtype]) for b in sender.buckets]
+    p2p = point_to_point(engine, len(bufs))
+    for w in [post_from_root(engine, buf, i, p2p) for i, buf in enumerate(bufs)]:
+        w.wait()
+    step.join(30)
+    assert not step.is_alive()
+    for bucket, buf in zip(sender.buckets, bufs):
+        for meta, off in bucket.entries:  # the weights of before the step, every one
+            assert torch.equal(buf[off:off + meta.numel].view(meta.piece_shape),
+                               before[meta.name]), meta.name
+    assert not torch.equal(dict(model.named_parameters())[meta.name], before[meta.name])
+    assert sender.last_broadcast_s > 0
