@@ -204,9 +204,10 @@ def generator(rt, args) -> None:
 
     engine.receive_weights = receive_and_confirm
     weights = WeightFollower(rt, engine, None, Timeline(rt.run_dir, rt.role.rank, rt.role.name))
-    for i in range(args.rounds + 1):  # the sync's block (see trainer)
-        weights.follow(need=i + 1)
-        assert weights.version == i + 1, (weights.version, i)
+    while weights.version < args.rounds + 1:  # the sync's block (see trainer)
+        # loads every announced version (the next may be announced the moment one is confirmed)
+        weights.follow(need=weights.version + 1)
+    assert weights.version == args.rounds + 1 == len(load_s), (weights.version, len(load_s))
     rt.store.set("bench/checksum", str(engine.checksum()))  # the last sync's weights
     for method in METHODS[1:]:
         for i in range(args.rounds + 1):
