@@ -412,10 +412,16 @@ class WeightReceiver:
         self.problem: str | None = None  # why loads are not replayed
 
     def _post(self, targets: list[list[torch.Tensor]]) -> list[list[dist.Work]]:
-        """Post the receive of every bucket of every sender now (bucket b: tag b)."""
-        return [[post_from_root(group, t, b, point_to_point(group, len(sender_targets)))
-                 for b, t in enumerate(sender_targets)]
-                for group, sender_targets in zip(self.groups, targets)]
+        """Post the receive of every bucket of every sender now (bucket b: tag b), round
+        robin over the senders: a point-to-point send waits until its receive is posted, so
+        every sender's first buckets can move while the rest are being posted."""
+        works: list[list[dist.Work]] = [[] for _ in targets]
+        p2p = [point_to_point(g, len(t)) for g, t in zip(self.groups, targets)]
+        for b in range(max(len(t) for t in targets)):
+            for s, (group, sender_targets) in enumerate(zip(self.groups, targets)):
+                if b < len(sender_targets):
+                    works[s].append(post_from_root(group, sender_targets[b], b, p2p[s]))
+        return works
 
     def receive(self, model: torch.nn.Module) -> int:
         """Receive one full set of weights into `model` (a vLLM model: `load_weights`);
