@@ -189,8 +189,8 @@ class SyncConfig:
     # meanwhile, so nothing idles in steady state; max_staleness stays the bound for batches
     # made while the buffer is empty (a slow generator). false: always run max_staleness ahead.
     prefer_fresh: bool = True
-    bucket_mb: int = 64  # flat-buffer size per broadcast message (pipelined with packing)
-    # A shard this large is broadcast alone, straight from the trainer's parameter into the
+    bucket_mb: int = 64  # flat-buffer size per weight-sync message (pipelined with packing)
+    # A shard this large is sent alone, straight from the trainer's parameter into the
     # engine's (no copy at either end); smaller ones are packed into buckets and copied.
     solo_mb: float = 1.0
     timeout_s: float = 1800.0  # longest a collective may block (a dead peer is found sooner)

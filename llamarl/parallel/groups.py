@@ -70,9 +70,11 @@ def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, root: int) -> None
 # receiver before its bytes move. Its point-to-point send and recv go straight to the
 # transport instead, so every message of a sync can be posted, and matched, at once. On the
 # 2-core CPU machine (bench/weight_sync.py) that took a 110M-parameter sync of 86 messages per
-# sender from 0.14 to 0.11 s; but a single message moved faster as a broadcast (1.1 vs 1.8 ms
-# for the tiny model's 0.6 MB). NCCL enqueues broadcasts on its stream without a thread
-# handoff, and with several engines its ring or tree beats the root sending each a copy.
+# sender from 0.14 to 0.11 s. A sync of one or two messages per sender gains nothing from it
+# (the tiny model's took 1.8-2.9 ms either way) and would need a thread to wait for its sends
+# (they have no future), so it stays a broadcast. NCCL enqueues broadcasts on its stream
+# without a thread handoff, and with several engines its ring or tree beats the root sending
+# each a copy.
 GLOO_BROADCASTS_IN_FLIGHT = 2
 
 
