@@ -123,8 +123,6 @@ def trainer(rt, args) -> None:
     nbytes = sum(shares)  # the whole model: every trainer's shards
     share = torch.ones(shares[r], dtype=torch.uint8)
     chunk = RAW_CHUNK_MB << 20  # raw's best message size, whatever the sync's buckets
-    opts = torch.distributed.BroadcastOptions()
-    opts.rootRank, opts.rootTensor = 0, 0
     whole = torch.ones(nbytes, dtype=torch.uint8) if r == 0 else None
     times: dict[str, list[float]] = {m: [] for m in METHODS}
     publish_s: list[float] = []

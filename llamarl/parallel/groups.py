@@ -57,12 +57,16 @@ def default_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, root: int) -> dist.Work:
+    """Post a broadcast of `tensor` (in place on receivers) from group rank `root`."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = root, 0
+    return group.broadcast([tensor], opts)
+
+
 def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, root: int) -> None:
     """Blocking broadcast of `tensor` (in place on receivers) from group rank `root`."""
-    opts = dist.BroadcastOptions()
-    opts.rootRank = root
-    opts.rootTensor = 0
-    group.broadcast([tensor], opts).wait()
+    _broadcast(group, tensor, root).wait()
 
 
 # Gloo runs a group's broadcasts on its worker threads (2 by default), each start to finish:
@@ -92,9 +96,7 @@ def post_to_all(group: dist.ProcessGroup, tensor: torch.Tensor, tag: int,
     telling the messages of one sync apart; else as one broadcast."""
     if p2p:
         return [group.send([tensor], dst, tag) for dst in range(1, group.size())]
-    opts = dist.BroadcastOptions()
-    opts.rootRank, opts.rootTensor = 0, 0
-    return [group.broadcast([tensor], opts)]
+    return [_broadcast(group, tensor, 0)]
 
 
 def post_from_root(group: dist.ProcessGroup, tensor: torch.Tensor, tag: int,
@@ -102,6 +104,4 @@ def post_from_root(group: dist.ProcessGroup, tensor: torch.Tensor, tag: int,
     """Receiver side of `post_to_all` (same `tag` and `p2p`): receive into `tensor`."""
     if p2p:
         return group.recv([tensor], 0, tag)
-    opts = dist.BroadcastOptions()
-    opts.rootRank, opts.rootTensor = 0, 0
-    return group.broadcast([tensor], opts)
+    return _broadcast(group, tensor, 0)
