@@ -20,12 +20,15 @@ generator confirms through the store:
   raw_single: trainer 0 alone broadcasts every byte of the model in one message (the
         baseline of the first measurements: a weaker one for large models).
 All end with the same acknowledgement (the generator sets a store key, trainer 0 waits on
-it). Each kind runs in a block of --rounds + 1 rounds of its own, the first a warm-up (the
-sync's records the engine's load_weights, see llamarl/parallel/load_replay.py). Every sync
-round first changes the weights (untimed); after the last one the engine's weights must sum
-to the trainer's. Reports medians and
-raw_s / sync_s (1.0 = the sync costs no more than moving the same bytes between the same
-processes the same way), raw_p2p_s / sync_s and raw_single_s / sync_s.
+it). Each kind runs in blocks of --rounds + 1 rounds of its own, the first a warm-up (the
+very first sync records the engine's load_weights, see llamarl/parallel/load_replay.py),
+and the four blocks repeat --cycles times, so that every kind is measured through the
+machine's slow and fast spells alike. Every sync round first changes the weights (untimed,
+with both trainers before and after it in a barrier: nothing else runs while a round is
+timed); after the last one the engine's weights must sum to the trainer's. Reports medians
+over all timed rounds and raw_s / sync_s (1.0 = the sync costs no more than moving the same
+bytes between the same processes the same way), raw_p2p_s / sync_s and raw_single_s /
+sync_s, and the raw / sync ratio of each cycle's medians.
 
     torchrun --standalone --nproc-per-node 3 bench/weight_sync.py --model tiny|100m
 """
@@ -73,7 +76,8 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="tiny", choices=["tiny", "100m"])
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds per block")
+    ap.add_argument("--cycles", type=int, default=3, help="repeats of the four blocks")
     ap.add_argument("--bucket-mb", type=int, default=None, help="sync.bucket_mb (recipe default)")
     ap.add_argument("--solo-mb", type=float, default=None,
                     help="sync.solo_mb: shards this large travel alone (recipe default)")
@@ -124,39 +128,47 @@ def trainer(rt, args) -> None:
     share = torch.ones(shares[r], dtype=torch.uint8)
     chunk = RAW_CHUNK_MB << 20  # raw's best message size, whatever the sync's buckets
     whole = torch.ones(nbytes, dtype=torch.uint8) if r == 0 else None
-    times: dict[str, list[float]] = {m: [] for m in METHODS}
+    # times[method][cycle]: the timed rounds of that block (its warm-up left out)
+    times: dict[str, list[list[float]]] = {m: [] for m in METHODS}
     publish_s: list[float] = []
     version = 0
-    for method in METHODS:  # each in a block of its own rounds, round 0 a warm-up
-        for i in range(args.rounds + 1):
-            if method == "sync":
-                with torch.no_grad():  # new weights every round, as after an optimizer step
-                    for p in model.parameters():
-                        p.add_(1e-3)
-            torch.distributed.barrier()
-            t0 = time.perf_counter()
-            if method == "sync":
-                version += 1
-                sender.publish(model, version=version)  # as the training loop does
-                t1 = time.perf_counter()
-                if r == 0:
-                    rt.wait_key(f"bench/loaded/{version - 1}")
-                    publish_s.append(t1 - t0)  # what the training loop waits for
-                sender.wait()
-            elif method in ("raw", "raw_p2p"):  # every trainer its share, in parallel
-                if r == 0:
-                    rt.store.set(f"bench/{method}/{i}", json.dumps([shares, chunk]))
-                works = [w for j, c in enumerate(share.split(chunk))
-                         for w in post_to_all(sender.group, c, j, p2p=method == "raw_p2p")]
-                for work in works:
-                    work.wait()
-                if r == 0:
-                    rt.wait_key(f"bench/{method}_done/{i}")
-            elif r == 0:  # raw_single: trainer 0 sends every byte in one broadcast
-                rt.store.set(f"bench/{method}/{i}", json.dumps([[nbytes], nbytes]))
-                broadcast(sender.group, whole, root=0)
-                rt.wait_key(f"bench/{method}_done/{i}")
-            times[method].append(time.perf_counter() - t0)
+    for cycle in range(args.cycles):
+        for method in METHODS:  # a block of its own rounds, round 0 a warm-up
+            block = []
+            for i in range(args.rounds + 1):
+                key = f"{cycle}/{i}"
+                torch.distributed.barrier()  # the last round is over on both trainers
+                if method == "sync":
+                    with torch.no_grad():  # new weights every round, as after an optimizer step
+                        for p in model.parameters():
+                            p.add_(1e-3)
+                torch.distributed.barrier()
+                t0 = time.perf_counter()
+                if method == "sync":
+                    version += 1
+                    sender.publish(model, version=version)  # as the training loop does
+                    t1 = time.perf_counter()
+                    if r == 0:
+                        rt.wait_key(f"bench/loaded/{version - 1}")
+                        if i:
+                            publish_s.append(t1 - t0)  # what the training loop waits for
+                    sender.wait()
+                elif method in ("raw", "raw_p2p"):  # every trainer its share, in parallel
+                    if r == 0:
+                        rt.store.set(f"bench/{method}/{key}", json.dumps([shares, chunk]))
+                    works = [w for j, c in enumerate(share.split(chunk))
+                             for w in post_to_all(sender.group, c, j, p2p=method == "raw_p2p")]
+                    for work in works:
+                        work.wait()
+                    if r == 0:
+                        rt.wait_key(f"bench/{method}_done/{key}")
+                elif r == 0:  # raw_single: trainer 0 sends every byte in one broadcast
+                    rt.store.set(f"bench/{method}/{key}", json.dumps([[nbytes], nbytes]))
+                    broadcast(sender.group, whole, root=0)
+                    rt.wait_key(f"bench/{method}_done/{key}")
+                if i:
+                    block.append(time.perf_counter() - t0)
+            times[method].append(block)
     with torch.no_grad():  # a collective: both trainer ranks
         checksum = sum(float(p.full_tensor().double().sum()) for p in model.parameters())
     if r == 0:
@@ -164,18 +176,22 @@ def trainer(rt, args) -> None:
         if abs(engine_sum - checksum) > 1e-9 * max(1.0, abs(checksum)):
             raise RuntimeError(f"the engine's weights differ from the trainer's after the last "
                                f"sync: sum {engine_sum} vs {checksum}")
-        med = {f"{m}_s": statistics.median(v[1:]) for m, v in times.items()}
-        med["publish_s"] = statistics.median(publish_s[1:])
+        med = {f"{m}_s": statistics.median(t for block in v for t in block)
+               for m, v in times.items()}
+        med["publish_s"] = statistics.median(publish_s)
+        per_cycle = [statistics.median(raw) / statistics.median(sync)
+                     for raw, sync in zip(times["raw"], times["sync"])]
         report = {"model": args.model, "bytes": nbytes, "trainer_ranks": rt.layout.trainer_ranks,
                   "bucket_mb": rt.cfg.sync.bucket_mb, "solo_mb": rt.cfg.sync.solo_mb,
                   "buckets": len(sender.buckets), "sent_as_is": sum(sender.direct),
-                  "rounds": args.rounds, **med,
+                  "rounds": args.rounds, "cycles": args.cycles, **med,
                   "load_s": float(rt.wait_key("bench/load_s")),
                   "sync_bytes_per_s": nbytes / med["sync_s"],
                   "raw_bytes_per_s": nbytes / med["raw_s"],
                   "ratio_raw_over_sync": med["raw_s"] / med["sync_s"],
                   "ratio_raw_p2p_over_sync": med["raw_p2p_s"] / med["sync_s"],
-                  "ratio_raw_single_over_sync": med["raw_single_s"] / med["sync_s"]}
+                  "ratio_raw_single_over_sync": med["raw_single_s"] / med["sync_s"],
+                  "ratio_raw_over_sync_per_cycle": per_cycle}
         print("WEIGHT_SYNC " + json.dumps(report), flush=True)
         if args.out:
             Path(args.out).write_text(json.dumps(report))
@@ -202,18 +218,24 @@ def generator(rt, args) -> None:
 
     engine.receive_weights = receive_and_confirm
     weights = WeightFollower(rt, engine, None, Timeline(rt.run_dir, rt.role.rank, rt.role.name))
-    while weights.version < args.rounds + 1:  # the sync's block (see trainer)
-        # loads every announced version (the next may be announced the moment one is confirmed)
-        weights.follow(need=weights.version + 1)
-    assert weights.version == args.rounds + 1 == len(load_s), (weights.version, len(load_s))
+    for cycle in range(args.cycles):  # the trainers' blocks, in the same order
+        for method in METHODS:
+            if method == "sync":
+                last = (cycle + 1) * (args.rounds + 1)
+                while weights.version < last:
+                    # loads every announced version (the next may be announced the moment
+                    # one is confirmed)
+                    weights.follow(need=weights.version + 1)
+                assert weights.version == last == len(load_s), (weights.version, len(load_s))
+                continue
+            for i in range(args.rounds + 1):
+                key = f"{cycle}/{i}"
+                sizes, chunk = json.loads(rt.wait_key(f"bench/{method}/{key}"))
+                engine.worker.llamarl_receive_raw(sizes, chunk, method == "raw_p2p")
+                rt.store.set(f"bench/{method}_done/{key}", "1")
     rt.store.set("bench/checksum", str(engine.checksum()))  # the last sync's weights
-    for method in METHODS[1:]:
-        for i in range(args.rounds + 1):
-            sizes, chunk = json.loads(rt.wait_key(f"bench/{method}/{i}"))
-            engine.llm.collective_rpc("llamarl_receive_raw",
-                                      args=(sizes, chunk, method == "raw_p2p"))
-            rt.store.set(f"bench/{method}_done/{i}", "1")
-    rt.store.set("bench/load_s", str(statistics.median(load_s[1:])))  # receive + load + reset
+    timed = [s for k, s in enumerate(load_s) if k % (args.rounds + 1)]  # no warm-ups
+    rt.store.set("bench/load_s", str(statistics.median(timed)))  # receive + load + reset
     rt.wait_key("bench/done")
 
 

@@ -168,3 +168,17 @@ def test_receiver_replays_rows_from_several_buckets_per_sender_some_in_place():
     in_place = [[t is not f for t, f in zip(ts, fs)]
                 for ts, fs in zip(receiver.targets, receiver.flats)]
     assert in_place == [[True, True, True, True, False]] * 2
+
+    # The engine's storage moves (as vLLM's sleep mode would do): the receiver notices before
+    # posting the next receives, records the load again, and the weights are still right.
+    engine.qkv.data = torch.zeros(8, 3)
+    engine.embed.data = torch.full((4, 3), 7.0)  # its padding row must be zeroed again
+    send(checkpoint(3))
+    receiver.post()
+    assert receiver.targets is receiver.flats  # not into the old engine storage
+    receiver.load(engine)
+    reference = FusedEngine(tp_rank=1)
+    reference.load_weights(checkpoint(3).items())
+    for (name, p), q in zip(engine.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q), name
+    assert receiver.replay is not None and receiver.watch[0][1] == engine.qkv.data_ptr()

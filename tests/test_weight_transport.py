@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from llamarl.parallel import weight_sync
 from llamarl.parallel.groups import point_to_point, post_from_root, post_to_all
 from llamarl.parallel.weight_sync import _DTYPES, WeightSender
 from llamarl.tiny.model import build_model
@@ -44,7 +45,7 @@ def test_messages_pair_by_tag_whatever_the_posting_order(gloo_pair):
     root, engine = gloo_pair
     sent = [torch.arange(10.0) + i for i in range(3)]
     got = [torch.empty(10) for _ in range(3)]
-    assert point_to_point(root, 3) and not point_to_point(root, 2)  # gloo: > 2 in flight
+    assert point_to_point(root)  # gloo: point to point
     receives = [post_from_root(engine, got[i], i, p2p=True) for i in (2, 0, 1)]
     sends = [w for i, t in enumerate(sent) for w in post_to_all(root, t, i, p2p=True)]
     for w in receives + sends:
@@ -52,16 +53,19 @@ def test_messages_pair_by_tag_whatever_the_posting_order(gloo_pair):
     assert all(torch.equal(a, b) for a, b in zip(sent, got))
 
 
-@pytest.mark.parametrize("alone", [True, False], ids=["point-to-point", "broadcast"])
-def test_sync_arrives_intact_and_the_step_waits_until_it_has_left(gloo_pair, alone):
+@pytest.mark.parametrize("p2p", [True, False], ids=["point-to-point", "broadcast"])
+@pytest.mark.parametrize("alone", [True, False], ids=["some-alone", "one-bucket"])
+def test_sync_arrives_intact_and_the_step_waits_until_it_has_left(gloo_pair, monkeypatch,
+                                                                    alone, p2p):
     root, engine = gloo_pair
+    if not p2p:  # the broadcast path (NCCL's) on the real gloo pair
+        monkeypatch.setattr(weight_sync, "point_to_point", lambda group: False)
     model, _ = build_model(0)
     big = max(p.numel() for p in model.parameters())
-    # alone: the largest matrices travel alone, straight from the parameters (7 messages, so
-    # point to point); else the whole model is one packed bucket (one broadcast)
+    # alone: the largest matrices travel alone, straight from the parameters (7 messages);
+    # else the whole model is one packed bucket
     solo_mb = big * 4 / 2**20 if alone else None
     sender = WeightSender(model, 0, 64, root, torch.device("cpu"), solo_mb=solo_mb)
-    assert point_to_point(root, len(sender.buckets)) == alone
     assert any(sender.direct) == alone and not all(sender.direct)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -78,7 +82,6 @@ def test_sync_arrives_intact_and_the_step_waits_until_it_has_left(gloo_pair, alo
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
     bufs = [torch.empty(b.numel, dtype=_DTYPES[b.dtype]) for b in sender.buckets]
-    p2p = point_to_point(engine, len(bufs))
     for w in [post_from_root(engine, buf, i, p2p) for i, buf in enumerate(bufs)]:
         w.wait()
     step.join(30)

@@ -31,9 +31,17 @@ class LlamarlWorkerExtension:
                                                 bucket_mb, groups, device, solo_mb)
         return len(groups)
 
-    def llamarl_receive_weights(self) -> int:
-        """Receive one full set of weights from the trainer and load it into the model."""
-        return self._llamarl_receiver.receive(self.model_runner.model)
+    def llamarl_worker(self) -> LlamarlWorkerExtension:
+        """This worker itself, for an engine in the same process to call directly."""
+        return self
+
+    def llamarl_post_receives(self) -> None:
+        """Post the receives of the next weight sync and return (see WeightReceiver.post)."""
+        self._llamarl_receiver.post()
+
+    def llamarl_load_received(self) -> int:
+        """Wait for the sync posted and load it into the model."""
+        return self._llamarl_receiver.load(self.model_runner.model)
 
     def llamarl_receive_raw(self, nbytes: list[int], chunk_bytes: int, p2p: bool = False) -> int:
         """Receive nbytes[r] bytes from each trainer rank r on its weight group, in broadcasts

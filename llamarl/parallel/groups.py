@@ -69,24 +69,20 @@ def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, root: int) -> None
     _broadcast(group, tensor, root).wait()
 
 
-# Gloo runs a group's broadcasts on its worker threads (2 by default), each start to finish:
-# two messages are in flight at a time, and each waits for a thread and a rendezvous with the
-# receiver before its bytes move. Its point-to-point send and recv go straight to the
-# transport instead, so every message of a sync can be posted, and matched, at once. On the
-# 2-core CPU machine (bench/weight_sync.py) that took a 110M-parameter sync of 86 messages per
-# sender from 0.14 to 0.11 s. A sync of one or two messages per sender gains nothing from it
-# (the tiny model's took 1.8-2.9 ms either way) and would need a thread to wait for its sends
-# (they have no future), so it stays a broadcast. NCCL enqueues broadcasts on its stream
-# without a thread handoff, and with several engines its ring or tree beats the root sending
-# each a copy.
-GLOO_BROADCASTS_IN_FLIGHT = 2
+def point_to_point(group: dist.ProcessGroup) -> bool:
+    """Whether the root of `group` sends its messages to every other member as
+    point-to-point sends (all posted at once) rather than as broadcasts: on gloo.
 
-
-def point_to_point(group: dist.ProcessGroup, messages: int) -> bool:
-    """Whether the root of `group` sends `messages` messages to every other member (posted
-    at once) as point-to-point sends rather than as broadcasts: on gloo, when there are more
-    of them than gloo keeps in flight."""
-    return isinstance(group, dist.ProcessGroupGloo) and messages > GLOO_BROADCASTS_IN_FLIGHT
+    Gloo runs a group's broadcasts on its worker threads (2 by default), each start to finish:
+    two messages are in flight at a time, and each is handed to a worker thread at both ends
+    and waits for a rendezvous before its bytes move. Its send and recv go straight to the
+    transport from the calling thread, so every message of a sync is posted, and matched, at
+    once. On the 2-core CPU machine (bench/weight_sync.py) that took a 110M-parameter sync of
+    86 messages per sender from 0.14 to 0.11 s, and the tiny model's (one message per sender)
+    from ~0.6x to ~0.65x of a raw broadcast: fewer thread handoffs is less CPU, and on a CPU
+    the transfer itself is CPU work. NCCL enqueues broadcasts on its stream without a thread
+    handoff, and with several engines its ring or tree beats the root sending each a copy."""
+    return isinstance(group, dist.ProcessGroupGloo)
 
 
 def post_to_all(group: dist.ProcessGroup, tensor: torch.Tensor, tag: int,

@@ -30,6 +30,7 @@ on CPU, every message of a sync posted at once.
 from __future__ import annotations
 
 import json
+import queue
 import sys
 import threading
 import time
@@ -191,9 +192,10 @@ class WeightSender:
     """Runs on every trainer rank r and sends r's shards on group `wsync<r>` (group rank 0).
 
     `publish` copies the shards into the send buffers (a snapshot: training may go on) and
-    posts one asynchronous broadcast per bucket, as soon as the bucket is packed; the process
-    group's own threads send them. `wait` blocks until they are sent; one sync is in flight at
-    a time, so the send buffers are allocated once and reused. All trainer ranks publish the
+    posts each bucket's message to every generator as soon as it is packed (groups.post_to_all:
+    a broadcast on NCCL, point-to-point sends on gloo, whose completion a thread of the
+    sender's own waits for). `wait` blocks until they are sent; one sync is in flight at a
+    time, so the send buffers are allocated once and reused. All trainer ranks publish the
     same versions in the same order; trainer 0 announces broadcast i in `store` as one key,
     `wsync/version/<i>` = policy version, before sending it, so a generator waiting for that
     key posts its receives while the first bucket is being packed.
@@ -237,8 +239,12 @@ class WeightSender:
         self._slots = [[] if flat is None else
                        [(m.name, flat[off:off + m.numel].view(m.piece_shape))
                         for m, off in b.entries] for b, flat in zip(self.buckets, self._flats)]
+        self._shapes = [[slot.shape for _, slot in slots] for slots in self._slots]
         self._works: list[dist.Work] = []
-        self._waiter: threading.Thread | None = None  # gloo: waits for the sync in flight
+        # gloo point to point: a thread waits for each sync's sends (see _track)
+        self._waiter: threading.Thread | None = None
+        self._in_flight: queue.SimpleQueue = queue.SimpleQueue()
+        self._sent: threading.Event | None = None  # set when the sync in flight is sent
         self._error: BaseException | None = None
         self._announced = 0
 
@@ -248,7 +254,7 @@ class WeightSender:
         for name, module, attr, kind in self._sources:
             t = getattr(module, attr)
             if kind == "shard":
-                t = t.to_local()
+                t = t.to_local()  # under no_grad: the DTensor's own local tensor, no copy
             elif kind == "replicated":  # a collective: every rank calls it, in the same order
                 t = t.full_tensor()
             out[name] = t
@@ -270,18 +276,17 @@ class WeightSender:
             self._announced += 1
         t0 = time.perf_counter()
         works = []
-        p2p = point_to_point(self.group, len(self.buckets))
+        p2p = point_to_point(self.group)
         with torch.no_grad():
             local = self._local_tensors()
-            for b, (bucket, slots, flat) in enumerate(zip(self.buckets, self._slots,
-                                                          self._flats)):
+            for b, (bucket, slots, flat, shapes) in enumerate(zip(
+                    self.buckets, self._slots, self._flats, self._shapes)):
                 if flat is None:  # straight from the parameter (see guard)
                     (meta, _), = bucket.entries
                     works += post_to_all(self.group, local[meta.name].view(-1), b, p2p)
                     continue
                 pieces = [local[name] for name, _ in slots]
-                for (name, slot), piece in zip(slots, pieces):
-                    assert piece.shape == slot.shape, (name, piece.shape, slot.shape)
+                assert [p.shape for p in pieces] == shapes, "a tensor changed shape since setup"
                 torch._foreach_copy_([slot for _, slot in slots], pieces)  # casts to the wire
                 works += post_to_all(self.group, flat, b, p2p)
         self._track(works, t0, p2p)
@@ -297,18 +302,28 @@ class WeightSender:
             self._works = works
             return
 
-        # gloo's sends have no future; one thread waits for them all (a work must have only
-        # one waiter), and `wait` joins it
-        def wait_all() -> None:
+        # gloo's sends have no future: the sender's own thread waits for them (a work must
+        # have only one waiter) and `wait` waits for its word. One thread for the sender's
+        # life: starting a thread per sync cost ~0.5 ms on the 2-core CPU (start() waits
+        # until the new thread runs), half a tiny model's sync.
+        if self._waiter is None:
+            self._waiter = threading.Thread(target=self._wait_sends, daemon=True,
+                                            name="llamarl-wsync")
+            self._waiter.start()
+        self._sent = threading.Event()
+        self._in_flight.put((works, t0, self._sent))
+
+    def _wait_sends(self) -> None:
+        """The waiter thread: wait for each sync's sends, time it, and say when it is done."""
+        while True:
+            works, t0, sent = self._in_flight.get()
             try:
                 for w in works:
                     w.wait()
                 self.last_broadcast_s = time.perf_counter() - t0
             except BaseException as e:  # noqa: BLE001 - raised again by wait()
                 self._error = e
-
-        self._waiter = threading.Thread(target=wait_all, daemon=True, name="llamarl-wsync")
-        self._waiter.start()
+            sent.set()
 
     def guard(self, optimizer: torch.optim.Optimizer) -> None:
         """Make `optimizer.step()` wait for the sync in flight: some buckets are sent straight
@@ -318,14 +333,14 @@ class WeightSender:
     def wait(self) -> None:
         """Block until the sync in flight (if any) has been sent."""
         works, self._works = self._works, []
-        waiter, self._waiter = self._waiter, None
+        sent, self._sent = self._sent, None
         try:
             for w in works:
                 w.wait()
         except BaseException as e:
             raise RuntimeError(f"weight broadcast failed: {e}") from e
-        if waiter is not None:
-            waiter.join()
+        if sent is not None:
+            sent.wait()
         error, self._error = self._error, None
         if error is not None:
             raise RuntimeError(f"weight broadcast failed: {error}") from error
@@ -381,7 +396,13 @@ class WeightReceiver:
     sender's buffer to their place, without being put together first). A bucket whose one
     recorded copy moves it whole into a contiguous engine region of the same dtype (a piece
     that travels alone, see SOLO_BYTES, loaded as is) is received in place: no copy at all.
-    If the load cannot be replayed (see load_replay), every sync calls load_weights.
+    The constants the load writes (e.g. zeros in the padding rows of the vocabulary) are not
+    written again: no copy writes there (LoadRecorder checks) and inference never writes
+    weights, so they still hold. If the load cannot be replayed (see load_replay), every sync
+    calls load_weights.
+
+    A sync is `post` (the receives, at once) and `load` (wait, write into the engine), so the
+    caller can do other work while the bytes travel; `receive` does both.
     """
 
     def __init__(self, metas_by_sender: list[list[TensorMeta]], bucket_mb: int,
@@ -407,16 +428,16 @@ class WeightReceiver:
             parts.sort(key=lambda p: p[2].row0)
         self.replay: list[list[tuple[list, list]]] | None = None  # [sender][bucket] (dsts, srcs)
         self.targets = self.flats  # [sender][bucket]: where a replayed sync receives it
-        self.fills: list[tuple[torch.Tensor, float]] = []
         self.watch: list[tuple[torch.Tensor, int]] = []  # engine tensors and their addresses
         self.problem: str | None = None  # why loads are not replayed
+        self._works: list[list[dist.Work]] | None = None  # the sync posted, not yet loaded
 
     def _post(self, targets: list[list[torch.Tensor]]) -> list[list[dist.Work]]:
         """Post the receive of every bucket of every sender now (bucket b: tag b), round
         robin over the senders: a point-to-point send waits until its receive is posted, so
         every sender's first buckets can move while the rest are being posted."""
         works: list[list[dist.Work]] = [[] for _ in targets]
-        p2p = [point_to_point(g, len(t)) for g, t in zip(self.groups, targets)]
+        p2p = [point_to_point(g) for g in self.groups]
         for b in range(max(len(t) for t in targets)):
             for s, (group, sender_targets) in enumerate(zip(self.groups, targets)):
                 if b < len(sender_targets):
@@ -426,13 +447,24 @@ class WeightReceiver:
     def receive(self, model: torch.nn.Module) -> int:
         """Receive one full set of weights into `model` (a vLLM model: `load_weights`);
         returns the number of tensors written."""
+        self.post()
+        return self.load(model)
+
+    def post(self) -> None:
+        """Post the receives of the next sync and return at once: the bytes travel while the
+        caller does other work (e.g. resets the engine's prefix cache); `load` finishes."""
+        assert self._works is None, "one sync at a time: load() the one posted first"
         if self.replay is not None and any(t.data_ptr() != p for t, p in self.watch):
             self.replay, self.targets = None, self.flats  # the engine moved: record again
+        self._works = self._post(self.targets)  # targets = flats unless replayed in place
+
+    def load(self, model: torch.nn.Module) -> int:
+        """Wait for the sync that `post` started and write it into `model`; returns the
+        number of tensors written."""
+        works, self._works = self._works, None
+        assert works is not None, "post() the receives first"
         if self.replay is not None:
-            works = self._post(self.targets)
             with torch.no_grad():
-                for dst, value in self.fills:
-                    dst.fill_(value)
                 for b in range(max(len(w) for w in works)):  # round robin over senders
                     for s, sender_works in enumerate(works):
                         if b < len(sender_works):
@@ -441,7 +473,6 @@ class WeightReceiver:
                             if dsts:
                                 torch._foreach_copy_(dsts, srcs)
             return len(self.order)
-        works = self._post(self.flats)
         if self.problem is not None:
             model.load_weights(self._arrivals(works))
             return len(self.order)
@@ -456,7 +487,7 @@ class WeightReceiver:
             print(f"llamarl: weight syncs call model.load_weights every time: {self.problem}",
                   file=sys.stderr, flush=True)
         else:
-            self.fills, self.watch = recorder.fills, recorder.watch
+            self.watch = recorder.watch
         return len(self.order)
 
     def _arrivals(self, works, recorder: LoadRecorder | None = None,
