@@ -48,7 +48,7 @@ lint: install
 bench: install
 	$(PY) bench/generator_throughput.py
 	$(PY) bench/async_pipeline.py
-	$(VENV)/bin/torchrun --standalone --nproc-per-node 3 bench/weight_sync.py --model tiny
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 3 bench/weight_sync.py --model tiny --rounds 20 --cycles 5
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 3 bench/weight_sync.py --model 100m
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 1 bench/trainer_throughput.py --model tiny
 
