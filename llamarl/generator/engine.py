@@ -79,7 +79,7 @@ class Engine:
         self.tokenizer = self.llm.get_tokenizer()
         # The vLLM worker runs in this process (tp = 1 in-process, or this process's tp rank
         # under the external launcher), so the weight sync calls it directly: collective_rpc's
-        # layers cost ~0.1 ms a call on the 2-core CPU, a tenth of a tiny model's sync.
+        # layers cost ~0.1 ms a call on the 2-core CPU, 5% of a tiny model's sync.
         self.worker = self.llm.collective_rpc("llamarl_worker")[0]
 
     def generate(self, prompts: list[list[int]], n: int, temperature: float, max_tokens: int,
