@@ -4,19 +4,19 @@ Launched by torchrun with 3 ranks (2 FSDP2 trainer ranks + 1 vLLM generator), th
 llamarl's own runtime. Per round, timed on trainer 0 from the start of the publish until the
 generator confirms through the store:
   sync: the training loop's path: every trainer rank publishes (trainer 0 announces the
-        version in the store; each rank packs its FSDP2 shards and broadcasts them on its own
-        group); the generator, blocked in WeightFollower.follow as between generation
-        batches, wakes on the announcement, receives every bucket, writes the weights into
-        the engine and resets the prefix cache (the weights are usable): everything a real
-        sync costs;
+        version in the store; each rank packs its FSDP2 shards and sends them on its own group: gloo
+        point-to-point messages on CPU); the generator, blocked in WeightFollower.follow as between
+        generation batches, wakes on the announcement, receives every bucket, writes the weights
+        into the engine and resets the prefix cache (the weights are usable): everything a real sync
+        costs;
   raw:  the same transfers with nothing around them: trainer 0 announces in the store, and
         every trainer rank broadcasts its shards' byte count (uint8) on its own group, in
         parallel, in 64 MB messages (RAW_CHUNK_MB: on this machine 64 MB messages move 1.4x
         faster than one 219 MB message); the generator, blocked on the store key, wakes and
-        receives them in the vLLM worker (collective_rpc);
-  raw_p2p: the same as gloo point-to-point messages, every one posted at once (how a sync of
-        more than two buckets per sender travels, see parallel.groups.point_to_point): the
-        strictest baseline for such a sync, its wire with nothing around it;
+        receives them in the vLLM worker (called directly, as the sync does);
+  raw_p2p: the same as gloo point-to-point messages, every one posted at once (how a sync
+        travels on gloo, see parallel.groups.point_to_point): the strictest baseline, the
+        sync's own wire with nothing around it;
   raw_single: trainer 0 alone broadcasts every byte of the model in one message (the
         baseline of the first measurements: a weaker one for large models).
 All end with the same acknowledgement (the generator sets a store key, trainer 0 waits on

@@ -1,6 +1,7 @@
 """Methods added to every vLLM worker (`LLM(worker_extension_cls=...)`), called through
-`llm.collective_rpc("llamarl_*")`. Names carry the `llamarl_` prefix so they never clash with
-vLLM's own Worker methods.
+`llm.collective_rpc("llamarl_*")`, or directly for the weight sync's hot path (Engine.worker: the
+worker lives in the engine's own process). Names carry the `llamarl_` prefix so they never clash
+with vLLM's own Worker methods.
 
 They run where the model lives: in the generator process for an in-process engine, or in each
 of vLLM's worker processes for tp > 1, so every tp rank joins the weight group itself and loads

@@ -73,15 +73,15 @@ def point_to_point(group: dist.ProcessGroup) -> bool:
     """Whether the root of `group` sends its messages to every other member as
     point-to-point sends (all posted at once) rather than as broadcasts: on gloo.
 
-    Gloo runs a group's broadcasts on its worker threads (2 by default), each start to finish:
-    two messages are in flight at a time, and each is handed to a worker thread at both ends
-    and waits for a rendezvous before its bytes move. Its send and recv go straight to the
-    transport from the calling thread, so every message of a sync is posted, and matched, at
-    once. On the 2-core CPU machine (bench/weight_sync.py) that took a 110M-parameter sync of
-    86 messages per sender from 0.14 to 0.11 s, and the tiny model's (one message per sender)
-    from 0.54-0.64x to 0.59-0.62x of a raw broadcast (paired runs): fewer thread handoffs is
-    less CPU, and on a CPU the transfer itself is CPU work. (A send posted after its receive
-    writes from the caller's thread, so the tiny model's publish takes ~0.3 ms longer.) NCCL enqueues broadcasts on its stream without a thread
+    Gloo runs a group's broadcasts on its worker threads (2 by default), each start to finish: two
+    messages are in flight at a time, and each is handed to a worker thread at both ends and waits
+    for a rendezvous before its bytes move. Its send and recv go straight to the transport from the
+    calling thread, so every message of a sync is posted, and matched, at once. On the 2-core CPU
+    machine (bench/weight_sync.py) that took a 110M-parameter sync of 86 messages per sender from
+    0.14 to 0.11 s, and the tiny model's (one message per sender) from 0.54-0.64x to 0.59-0.62x of a
+    raw broadcast (paired runs): fewer thread handoffs is less CPU, and on a CPU the transfer itself
+    is CPU work. (A send posted after its receive writes from the caller's thread, so the tiny
+    model's publish takes ~0.3 ms longer.) NCCL enqueues broadcasts on its stream without a thread
     handoff, and with several engines its ring or tree beats the root sending each a copy."""
     return isinstance(group, dist.ProcessGroupGloo)
 

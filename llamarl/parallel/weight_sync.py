@@ -305,7 +305,7 @@ class WeightSender:
         # gloo's sends have no future: the sender's own thread waits for them (a work must
         # have only one waiter) and `wait` waits for its word. One thread for the sender's
         # life: starting a thread per sync cost ~0.5 ms on the 2-core CPU (start() waits
-        # until the new thread runs), half a tiny model's sync.
+        # until the new thread runs), a quarter of a tiny model's sync.
         if self._waiter is None:
             self._waiter = threading.Thread(target=self._wait_sends, daemon=True,
                                             name="llamarl-wsync")
