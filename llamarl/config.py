@@ -142,6 +142,9 @@ class GeneratorConfig:
     temperature: float = 1.0
     max_model_len: int = 128
     kv_cache_gib: float = 0.25  # CPU KV cache per engine; on GPU gpu_memory_utilization applies
+    # Tokens per KV-cache block; 0 = vLLM's default (16 on GPU, 128 on CPU). The prefix cache
+    # reuses whole blocks only (a prompt shorter than a block is never reused).
+    block_size: int = 0
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = True
     # DAPO dynamic sampling (llamarl/rewards/dynamic_sampling.py): drop prompt groups whose
@@ -330,6 +333,9 @@ def validate(cfg: Config) -> Config:
         _fail("generator.prompts_per_step", cfg.generator.prompts_per_step,
               f"must be a multiple of generator.engines x trainer.ranks = {per_rank}, so every "
               "engine sends every trainer rank the same number of whole prompt groups")
+    if cfg.generator.block_size < 0 or cfg.generator.block_size % 16:
+        _fail("generator.block_size", cfg.generator.block_size,
+              "must be a multiple of 16 (vLLM's kernels), or 0 for vLLM's default")
     if cfg.generator.max_model_len <= cfg.generator.max_new_tokens:
         _fail("generator.max_model_len", cfg.generator.max_model_len,
               f"must leave room for the prompt plus generator.max_new_tokens "

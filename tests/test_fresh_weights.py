@@ -50,7 +50,9 @@ def follower(tmp_path):
     rt = SimpleNamespace(store=store, cfg=load_config(None, ["run.eval_every=0"]),
                          watchdog=SimpleNamespace(check=lambda: None))
     loads = []
-    engine = SimpleNamespace(receive_weights=lambda: loads.append(time.monotonic()))
+    # the follower posts the receives, reads the announced version, then loads
+    engine = SimpleNamespace(post_weights=lambda: None,
+                             load_posted_weights=lambda: loads.append(time.monotonic()))
     w = WeightFollower(rt, engine, evaluator=None, timeline=Timeline(tmp_path, 0, "generator 0"))
     w.loads = loads
     return w, Trainer(store)

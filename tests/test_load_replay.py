@@ -4,6 +4,7 @@ The fake engine below loads like vLLM's Qwen2 (q/k/v rows into one fused qkv wei
 vocabulary padded with zero rows, tensor-parallel column slices); the real vLLM engine is
 covered by tests/test_weight_sync.py."""
 
+import pytest
 import torch
 
 from llamarl.parallel.load_replay import LoadRecorder, first_overlap, split_rows
@@ -130,7 +131,10 @@ class LoopbackGroup:
         return True
 
 
-def test_receiver_replays_rows_from_several_buckets_per_sender_some_in_place():
+@pytest.mark.parametrize("bucket_mb", [0, 1])
+def test_receiver_replays_rows_received_in_place_or_into_buffers(bucket_mb):
+    """bucket_mb = 0: a bucket per piece, most received straight into the engine; 1: one
+    bucket per sender, received into its buffer and copied out."""
     from llamarl.parallel.weight_sync import TensorMeta, WeightReceiver
 
     shapes = {"q": (4, 3), "k": (2, 3), "v": (2, 3), "embed": (3, 3), "o": (2, 4)}
@@ -142,7 +146,7 @@ def test_receiver_replays_rows_from_several_buckets_per_sender_some_in_place():
         metas[0].append(TensorMeta(name, "torch.float32", shape, half, 0))
         metas[1].append(TensorMeta(name, "torch.float32", shape, shape[0] - half, half))
     groups = [LoopbackGroup(), LoopbackGroup()]
-    receiver = WeightReceiver(metas, 0, groups, torch.device("cpu"))
+    receiver = WeightReceiver(metas, bucket_mb, groups, torch.device("cpu"))
 
     def send(ckpt):
         for s, group in enumerate(groups):
@@ -162,15 +166,20 @@ def test_receiver_replays_rows_from_several_buckets_per_sender_some_in_place():
         for (name, p), q in zip(engine.named_parameters(), reference.parameters()):
             assert torch.equal(p, q), (seed, name)
         assert receiver.replay is not None, receiver.problem
-    assert [len(plan) for plan in receiver.plans] == [5, 5]
-    # q, k, v and embed rows land in place (received straight into the engine); o is a column
-    # slice (tensor parallel rank 1) of what arrives, so it is copied out of its buffer.
-    in_place = [[t is not f for t, f in zip(ts, fs)]
-                for ts, fs in zip(receiver.targets, receiver.flats)]
-    assert in_place == [[True, True, True, True, False]] * 2
+    if bucket_mb == 0:
+        assert [len(plan) for plan in receiver.plans] == [5, 5]
+        # q, k, v and embed rows land in place (received straight into the engine); o is a
+        # column slice (tensor parallel rank 1) of what arrives: copied out of its buffer.
+        in_place = [[t is not f for t, f in zip(ts, fs)]
+                    for ts, fs in zip(receiver.targets, receiver.flats)]
+        assert in_place == [[True, True, True, True, False]] * 2
+    else:
+        assert [len(plan) for plan in receiver.plans] == [1, 1]
+        assert receiver.targets is receiver.flats  # nothing in place
 
-    # The engine's storage moves (as vLLM's sleep mode would do): the receiver notices before
-    # posting the next receives, records the load again, and the weights are still right.
+    # The engine's storage moves (as vLLM's sleep mode would do): the receiver notices (before
+    # posting the next receives if some go straight into the engine, else before copying),
+    # records the load again, and the weights are still right.
     engine.qkv.data = torch.zeros(8, 3)
     engine.embed.data = torch.full((4, 3), 7.0)  # its padding row must be zeroed again
     send(checkpoint(3))

@@ -70,6 +70,8 @@ class Engine:
         extra = {}
         if cfg.tp > 1:
             extra["distributed_executor_backend"] = "external_launcher"
+        if cfg.block_size:
+            extra["block_size"] = cfg.block_size
         self.cfg = cfg
         self.llm = LLM(
             model=model_path, dtype=dtype, seed=seed, tensor_parallel_size=cfg.tp,
@@ -81,6 +83,9 @@ class Engine:
         # under the external launcher), so the weight sync calls it directly: collective_rpc's
         # layers cost ~0.1 ms a call on the 2-core CPU, 5% of a tiny model's sync.
         self.worker = self.llm.collective_rpc("llamarl_worker")[0]
+        # Set by every weight load: the prefix cache holds KV computed with the old weights,
+        # and the next generate empties it first (see load_posted_weights).
+        self._stale_prefix_cache = False
 
     def generate(self, prompts: list[list[int]], n: int, temperature: float, max_tokens: int,
                  seed: int | None = None) -> list[list[Completion]]:
@@ -91,6 +96,11 @@ class Engine:
         """
         from vllm import SamplingParams, TokensPrompt
 
+        if self._stale_prefix_cache:  # never reuse KV computed with older weights
+            if not self.llm.reset_prefix_cache():
+                raise RuntimeError("vLLM refused to reset its prefix cache (requests running?): "
+                                   "generating now would reuse KV of the old weights")
+            self._stale_prefix_cache = False
         params = SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0,
                                 max_tokens=max_tokens, logprobs=0, seed=seed)
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
@@ -113,11 +123,22 @@ class Engine:
                                 args=(specs, metas_json, bucket_mb, solo_mb))
 
     def receive_weights(self) -> None:
-        """Blocking: receive a full set of weights from the trainer and load it. The prefix
-        cache (KV computed with the old weights) is emptied while the bytes travel."""
+        """Blocking: receive a full set of weights from the trainer and load it."""
+        self.post_weights()
+        self.load_posted_weights()
+
+    def post_weights(self) -> None:
+        """Post the receives of the next weight sync and return: the bytes start moving
+        (the caller may do other work, e.g. read the version announced, while they travel)."""
         self.worker.llamarl_post_receives()
-        self.llm.reset_prefix_cache()
+
+    def load_posted_weights(self) -> None:
+        """Blocking: finish the sync that post_weights started. The prefix cache (KV computed
+        with the old weights) is emptied by the next generate call: not while the bytes
+        travel, where its ~0.1 ms of CPU slowed a tiny model's transfer on the 2-core CPU, and
+        once for several loads in a row (a generator catching up on versions)."""
         self.worker.llamarl_load_received()
+        self._stale_prefix_cache = True
 
     def checksum(self) -> float:
         return self.llm.collective_rpc("llamarl_state_checksum")[0]

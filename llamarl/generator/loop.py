@@ -39,7 +39,7 @@ from llamarl.data.loader import PromptLoader, shard
 from llamarl.data.prompts import PromptFormatter
 from llamarl.generator.engine import Engine, EngineWorld
 from llamarl.launch.runtime import Runtime, free_port, log
-from llamarl.parallel.weight_sync import announced_version, wait_for_broadcast
+from llamarl.parallel.weight_sync import announced_version, broadcast_announced
 from llamarl.rewards.dynamic_sampling import collect_groups
 from llamarl.rewards.scorer import RewardScorer, ScoredGroup, score_groups
 from llamarl.timeline import Timeline
@@ -201,9 +201,13 @@ class WeightFollower:
             self.final = int(self.rt.store.get("trainer/final_version"))
         return self.final is not None
 
-    def _load(self, v: int) -> None:
-        with self.timeline.phase("load_weights", v):
-            self.engine.receive_weights()
+    def _load(self) -> None:
+        """Receive and load broadcast number `self.received` (announced)."""
+        start = time.time()
+        self.engine.post_weights()  # the bytes start moving; the version is read meanwhile
+        v = announced_version(self.rt.store, self.received)
+        self.engine.load_posted_weights()
+        self.timeline.record("load_weights", start, time.time(), v)
         self.received += 1
         self.version = v
         if self.next_eval is not None and v >= self.next_eval:
@@ -218,8 +222,8 @@ class WeightFollower:
         while `queued()` (the trainer still has a batch of this engine to train on). False
         once the trainer is done and its final weights are loaded (no more batches needed)."""
         while True:
-            while (v := announced_version(self.rt.store, self.received)) is not None:
-                self._load(v)  # every announced broadcast, in order (the senders wait for it)
+            while broadcast_announced(self.rt.store, self.received):
+                self._load()  # every announced broadcast, in order (the senders wait for it)
             if self.trainer_done() and self.version >= self.final:
                 return False
             if self.version >= need and (prefer is None or self.version >= prefer
@@ -228,9 +232,8 @@ class WeightFollower:
             self.rt.watchdog.check()
             # Woken by the store the moment trainer 0 announces the next broadcast: no
             # polling sleep between the announcement and posting the receives.
-            v = wait_for_broadcast(self.rt.store, self.received, _WAIT_S)
-            if v is not None:
-                self._load(v)
+            if broadcast_announced(self.rt.store, self.received, _WAIT_S):
+                self._load()
 
     def finish(self) -> None:
         """Final weights loaded: evaluate them (the trainer's summary waits for this)."""

@@ -15,7 +15,10 @@ from llamarl.launch.dist_env import from_environ
 from llamarl.launch.layout import compute_layout
 from llamarl.launch.runtime import setup
 
-PROMPTS = ["abc=", "hello=", "kjf=", "aaab=", "lkji=", "bca="]
+# The last prompt (37 tokens) fills a KV-cache block (generator.block_size=32), which the
+# prefix cache keeps from the generate before a sync: reusing it after the sync would show as
+# logprobs that differ from the trainer's model.
+PROMPTS = ["abc=", "hello=", "kjf=", "aaab=", "lkji=", "bca=", "hello world " * 6]
 
 
 def trainer(rt, model_dir):
@@ -122,6 +125,7 @@ if __name__ == "__main__":
     # packed, received into buffers and copied: both paths are checked.
     model_dir = os.environ["MODEL_DIR"]
     cfg = load_config(None, [f"model.path={model_dir}", "generator.max_model_len=64",
+                             "generator.block_size=32",
                              "sync.bucket_mb=1", "sync.solo_mb=0.015625",
                              "generator.max_new_tokens=10", "trainer.lr=3e-3",
                              f"run.output_dir={os.environ['RUNS']}"])
