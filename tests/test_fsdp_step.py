@@ -20,8 +20,15 @@ def launch(nproc: int, out, **env) -> dict:
     return torch.load(out)
 
 
-def test_two_rank_fsdp2_step_matches_single_process(tmp_path):
-    sharded = launch(2, tmp_path / "fsdp.pt")
+@pytest.mark.parametrize("placed", [False, True], ids=["own_storage", "in_send_buffers"])
+def test_two_rank_fsdp2_step_matches_single_process(tmp_path, placed):
+    """in_send_buffers: the shards live in a weight sender's send buffers (place_shards)."""
+    sharded = launch(2, tmp_path / "fsdp.pt", **({"PLACE": "1"} if placed else {}))
+    if placed:  # every shard without padding is moved (rank 1 holds a padded one: copied)
+        counts = sharded["placed_even_slots"]  # per rank: moved, without padding, slots
+        assert all(moved == even > 0 for moved, even, _ in counts), counts
+        assert counts[0][0] == counts[0][2] and counts[1][0] < counts[1][2], counts
+        assert sharded["in_slots"]
 
     cfg = load_config(None, CFG)
     model, tok = build_model(seed=0)

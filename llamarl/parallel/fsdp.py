@@ -33,3 +33,45 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, param_dtype: torch.dtyp
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
+
+
+def place_shards(model: torch.nn.Module, destinations: dict[str, torch.Tensor]) -> set[str]:
+    """Move the local FSDP2 shard of each parameter named in `destinations` (a checkpoint
+    name: the first name of a tied parameter) into the memory of its destination, a
+    contiguous tensor of the shard's shape and dtype, e.g. a slot of a weight-sync send buffer:
+    from then on FSDP2's all-gathers, the optimizer's in-place steps and a reader of the
+    destination all see one tensor, so the weight sync sends it without a copy. Returns the
+    names moved.
+
+    Moved: shards without padding (FSDP2 pads the last ranks' shards of a dim-0 size that the
+    ranks do not divide) and not offloaded. FSDP2 keeps each shard twice over one storage
+    (FSDPParam._sharded_param_data, the all-gather input, and the DTensor's _local_tensor, the
+    parameter): both are re-pointed with Tensor.set_. If FSDP2 replaces the storage later
+    (load_state_dict(assign=True), module.to()), the shard simply no longer lives in the
+    destination: a reader must compare data_ptr() before relying on it (WeightSender does).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    names = {id(p): n for n, p in model.named_parameters()}  # first name of a tied one
+    moved = set()
+    with torch.no_grad():
+        for module in model.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            group = module._get_fsdp_state()._fsdp_param_group
+            for fsdp_param in group.fsdp_params if group is not None else ():
+                name = names.get(id(fsdp_param.sharded_param))
+                dest = destinations.get(name)
+                local = fsdp_param.sharded_param._local_tensor
+                flat = fsdp_param._sharded_param_data
+                if (dest is None or fsdp_param.offload_to_cpu or not dest.is_contiguous()
+                        or dest.shape != local.shape or dest.dtype != local.dtype
+                        or dest.device != local.device or flat.numel() != local.numel()
+                        or local.numel() == 0):
+                    continue
+                dest.copy_(local)
+                storage, offset = dest.untyped_storage(), dest.storage_offset()
+                flat.set_(storage, offset, (local.numel(),), (1,))
+                local.set_(storage, offset, dest.shape, dest.stride())
+                moved.add(name)
+    return moved

@@ -41,6 +41,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from llamarl.parallel.fsdp import place_shards
 from llamarl.parallel.groups import point_to_point, post_from_root, post_to_all
 from llamarl.parallel.load_replay import LoadRecorder, split_rows, storage_id
 
@@ -201,9 +202,12 @@ class WeightSender:
     key posts its receives while the first bucket is being packed.
 
     A piece that travels alone (see SOLO_BYTES) and is already in the wire dtype, contiguous,
-    on the device, is sent straight from the parameter: no snapshot, no send buffer. The
-    parameter must then not change until it is sent: `guard(optimizer)` makes the optimizer's
-    step wait for the sync in flight (by then it is long sent: a step takes longer than a sync).
+    on the device, is sent straight from the parameter: no snapshot, no send buffer. A smaller
+    FSDP2 shard in the wire dtype is moved into its slot of a send buffer when the sender is
+    built (fsdp.place_shards: the model's storage changes, its values do not), so packing
+    skips it. Such parameters must then not change until they are sent: `guard(optimizer)`
+    makes the optimizer's step wait for the sync in flight (by then it is long sent: a step
+    takes longer than a sync).
     """
 
     def __init__(self, model: torch.nn.Module, rank: int, bucket_mb: int,
@@ -240,6 +244,10 @@ class WeightSender:
                        [(m.name, flat[off:off + m.numel].view(m.piece_shape))
                         for m, off in b.entries] for b, flat in zip(self.buckets, self._flats)]
         self._shapes = [[slot.shape for _, slot in slots] for slots in self._slots]
+        # FSDP2 shards that already are in the wire dtype move into their slots for good
+        # (fsdp.place_shards): the parameter is the send buffer, and packing skips them.
+        self.placed = place_shards(model, {name: slot for slots in self._slots
+                                           for name, slot in slots})
         self._works: list[dist.Work] = []
         # gloo point to point: a thread waits for each sync's sends (see _track)
         self._waiter: threading.Thread | None = None
@@ -293,7 +301,12 @@ class WeightSender:
                     continue
                 pieces = [local[name] for name, _ in slots]
                 assert [p.shape for p in pieces] == shapes, "a tensor changed shape since setup"
-                torch._foreach_copy_([slot for _, slot in slots], pieces)  # casts to the wire
+                # Pack what does not live in its slot (see place_shards), casting to the wire
+                # dtype; a placed shard whose storage FSDP2 has replaced since is copied too.
+                todo = [(slot, p) for (_, slot), p in zip(slots, pieces)
+                        if p.data_ptr() != slot.data_ptr()]
+                if todo:
+                    torch._foreach_copy_(*map(list, zip(*todo)))
                 works += post_to_all(self.group, flat, b, p2p)
         self._track(works, t0, p2p)
 

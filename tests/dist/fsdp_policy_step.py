@@ -4,7 +4,8 @@ with an unsharded or differently sharded run.
 
 Env: OUT (output file), EXTRA (space-separated recipe overrides), MODEL_DIR (a HF directory of
 the tiny model, needed for PPO's critic and a reference model), DEVICE (cpu, the default, on
-gloo; or cuda: one GPU per rank on NCCL)."""
+gloo; or cuda: one GPU per rank on NCCL), PLACE=1: a weight sender is built first, which moves
+the shards into its send buffers (fsdp.place_shards), and the step must take them along."""
 
 import os
 import sys
@@ -19,6 +20,7 @@ from trainer_world import exit_process, trainer_world  # noqa: E402
 from llamarl.buffer.record import split_groups  # noqa: E402
 from llamarl.config import load_config  # noqa: E402
 from llamarl.parallel.fsdp import apply_fsdp  # noqa: E402
+from llamarl.parallel.weight_sync import WeightSender  # noqa: E402
 from llamarl.tiny.model import build_model  # noqa: E402
 from llamarl.trainer.critic import build_critic  # noqa: E402
 from llamarl.trainer.loop import load_reference  # noqa: E402
@@ -40,6 +42,9 @@ if __name__ == "__main__":
     apply_fsdp(model, mesh, torch.float32,
                gradient_checkpointing=cfg.trainer.gradient_checkpointing)
     steps = cfg.algorithm.epochs * cfg.algorithm.mini_batches
+    sender = None
+    if os.environ.get("PLACE"):  # no group: only its send buffers are used here
+        sender = WeightSender(model, rank, 1, None, device)
     trainer = PolicyTrainer(model, cfg.trainer, steps, world, device)
     path = os.environ.get("MODEL_DIR", "")
     critic = build_critic(cfg, path, mesh, device, steps, world) if cfg.algorithm.name == "ppo" \
@@ -52,6 +57,20 @@ if __name__ == "__main__":
            "checkpointing": bool(getattr(model, "is_gradient_checkpointing", False))}
     if critic is not None:
         out["critic"] = full(critic.model)
+    if sender is not None:  # the send buffers hold the updated shards themselves
+        local = sender._local_tensors()
+        slots = [(name, slot) for slots in sender._slots for name, slot in slots]
+        out["placed"] = len(sender.placed)
+        out["in_slots"] = all(torch.equal(local[name], slot) and
+                              local[name].data_ptr() == slot.data_ptr() for name, slot in slots
+                              if name in sender.placed)
+        # FSDP2 pads a shard with fewer rows than the first rank's: those stay where they are
+        even = sum(m.local_rows == -(-m.shape[0] // world) for b in sender.buckets
+                   for m, _ in b.entries)
+        mine = torch.tensor([out["placed"], even, len(slots)], dtype=torch.float64)
+        counts = [torch.zeros(3, dtype=torch.float64) for _ in range(world)]
+        dist.all_gather(counts, mine)
+        out["placed_even_slots"] = [[int(x) for x in c] for c in counts]
     if rank == 0:
         torch.save(out, os.environ["OUT"])
     exit_process()
