@@ -4,12 +4,15 @@ Launched by torchrun with 3 ranks (2 FSDP2 trainer ranks + 1 vLLM generator), th
 llamarl's own runtime. Per round, timed on trainer 0 from the start of the publish until the
 generator confirms through the store:
   sync: the training loop's path: every trainer rank publishes (trainer 0 announces the
-        version in the store; each rank packs its FSDP2 shards and sends them on its own group: gloo
-        point-to-point messages on CPU); the generator, blocked in WeightFollower.follow as between
-        generation batches, wakes on the announcement, posts the receives of every bucket, reads
-        the version while they travel, writes the weights into the engine (the weights are
-        usable): everything a real sync costs but the prefix-cache reset, which the engine's next
-        generate call does (Engine.load_posted_weights; ~0.1 ms on the 2-core CPU, not timed);
+        version in the store; each rank packs its FSDP2 shards (but those that live in its send
+        buffers, see fsdp.place_shards) and sends them on its own group: gloo point-to-point
+        messages on CPU); the generator, blocked in WeightFollower.follow as between
+        generation batches, wakes on the announcement, posts the receives of every bucket
+        (unless the last load posted them already: the tiny model, see
+        WeightReceiver._post_next), reads the version while they travel and writes the
+        weights into the engine (the weights are usable): everything a real sync costs but
+        the prefix-cache reset, which the engine's next generate call does
+        (Engine.load_posted_weights; ~0.1 ms on the 2-core CPU, not timed);
   raw:  the same transfers with nothing around them: trainer 0 announces in the store, and
         every trainer rank broadcasts its shards' byte count (uint8) on its own group, in
         parallel, in 64 MB messages (RAW_CHUNK_MB: on this machine 64 MB messages move 1.4x
@@ -113,6 +116,7 @@ METHODS = ("sync", "raw", "raw_p2p", "raw_single")
 def trainer(rt, args) -> None:
     from llamarl.parallel.fsdp import apply_fsdp
     from llamarl.parallel.groups import broadcast, post_to_all
+    from llamarl.parallel.weight_sync import OTHER_TAGS
     from llamarl.trainer.loop import init_trainer_group, open_weight_sender
     from llamarl.trainer.policy import load_policy
 
@@ -158,7 +162,8 @@ def trainer(rt, args) -> None:
                     if r == 0:
                         rt.store.set(f"bench/{method}/{key}", json.dumps([shares, chunk]))
                     works = [w for j, c in enumerate(share.split(chunk))
-                             for w in post_to_all(sender.group, c, j, p2p=method == "raw_p2p")]
+                             for w in post_to_all(sender.group, c, OTHER_TAGS + j,
+                                                  p2p=method == "raw_p2p")]
                     for work in works:
                         work.wait()
                     if r == 0:

@@ -1,7 +1,9 @@
 """The weight sync's transport on a real gloo pair in one process (group rank 0 = the trainer's
 sender, rank 1 = an engine's receives, each in its own thread): every bucket arrives intact
-through point-to-point messages posted at once, and the optimizer step waits until the shards
-sent straight from the parameters have left. (Across processes: tests/test_weight_sync.py.)"""
+through point-to-point messages posted at once, the optimizer step waits until the shards
+sent straight from the parameters have left, and a receiver that posts the next sync's receives
+early lets the trainer's send leave while the engine is busy. (Across processes:
+tests/test_weight_sync.py.)"""
 
 from __future__ import annotations
 
@@ -92,3 +94,58 @@ def test_sync_arrives_intact_and_the_step_waits_until_it_has_left(gloo_pair, mon
                                before[meta.name]), meta.name
     assert not torch.equal(dict(model.named_parameters())[meta.name], before[meta.name])
     assert sender.last_broadcast_s > 0
+
+
+class LoadingEngine(torch.nn.Module):
+    """Stands in for a vLLM model: load_weights copies each (name, tensor) into the parameter
+    of that name (a tiny model of its own, other weights to start with)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, _ = build_model(1)
+
+    def load_weights(self, weights) -> None:
+        params = dict(self.inner.named_parameters())
+        with torch.no_grad():
+            for name, tensor in weights:
+                params[name].copy_(tensor)
+
+
+@pytest.mark.parametrize("p2p", [True, False], ids=["point-to-point", "broadcast"])
+def test_next_sync_is_received_while_the_engine_is_busy(gloo_pair, monkeypatch, p2p):
+    """On gloo point to point, a receiver whose buckets all go into its receive buffers posts
+    the next sync's receives when it loads one: the trainer's next send leaves at once, while
+    the engine is busy elsewhere (here: nobody calls the receiver), and the next load finds the
+    bytes there. Not on the broadcast path (NCCL's)."""
+    from llamarl.parallel.weight_sync import WeightReceiver
+
+    root, engine_group = gloo_pair
+    if not p2p:
+        monkeypatch.setattr(weight_sync, "point_to_point", lambda group: False)
+    model, _ = build_model(0)
+    sender = WeightSender(model, 0, 64, root, torch.device("cpu"))
+    receiver = WeightReceiver([sender.metas], 64, [engine_group], torch.device("cpu"))
+    engine = LoadingEngine()
+
+    def synced() -> bool:
+        mine = dict(engine.inner.named_parameters())
+        return all(torch.equal(mine[n], p) for n, p in model.named_parameters())
+
+    receiver.post()
+    sender.publish(model, version=None)
+    receiver.load(engine)  # the first sync: load_weights, recorded
+    sender.wait()
+    assert synced() and receiver.replay is not None, receiver.problem
+    assert receiver._posted_early == p2p
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    sent = threading.Thread(target=lambda: sender.send(model))
+    sent.start()
+    sent.join(10 if p2p else 0.5)
+    assert sent.is_alive() != p2p, "the send leaves at once only if the receives were posted"
+    receiver.post()  # nothing to do when posted early
+    receiver.load(engine)  # replayed from the receive buffers
+    sent.join(30)
+    assert not sent.is_alive() and synced()

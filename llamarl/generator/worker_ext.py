@@ -14,7 +14,7 @@ import torch
 
 from llamarl.generator.cpu_fixes import disable_onednn_prepack
 from llamarl.parallel.groups import GroupSpec, make_group, post_from_root
-from llamarl.parallel.weight_sync import WeightReceiver, metas_from_json
+from llamarl.parallel.weight_sync import OTHER_TAGS, WeightReceiver, metas_from_json
 
 # Runs at import, which vLLM does before the worker loads the model (see cpu_fixes).
 disable_onednn_prepack()
@@ -56,7 +56,7 @@ class LlamarlWorkerExtension:
         if key not in self._llamarl_raw:
             self._llamarl_raw[key] = [torch.empty(n, dtype=torch.uint8, device=receiver.device)
                                       for n in nbytes]
-        works = [post_from_root(group, chunk, i, p2p)
+        works = [post_from_root(group, chunk, OTHER_TAGS + i, p2p)
                  for group, buf in zip(receiver.groups, self._llamarl_raw[key])
                  for i, chunk in enumerate(buf.split(chunk_bytes))]
         for work in works:

@@ -10,9 +10,11 @@ Per sync i, on trainer r (all T in lockstep with the same version):
     trainer 0: store `wsync/version/<i>` = policy version        (one key: the announcement)
     flat_b[off_j : off_j + n_j] = local shard of tensor j        (bucket b: one dtype,
     post flat_b to every generator on wsync<r>, tag b               <= bucket_mb; in order)
-    (a shard of >= sync.solo_mb is its own bucket, sent from the parameter itself)
+    (a shard of >= sync.solo_mb is its own bucket, sent from the parameter itself; a shard
+    already in the wire dtype lives in flat_b for good, see fsdp.place_shards: no copy)
 and on each generator worker, woken by the announcement:
     post the receives of all buckets of all T senders into the receive buffers
+    (on gloo, when all go into receive buffers: already posted by the last load)
     as each bucket arrives: write its rows into the engine's parameters
 (see WeightReceiver: the first sync goes through vLLM's load_weights and is recorded, later
 ones replay the recorded copies straight from the receive buffers, and receive a bucket that
@@ -98,6 +100,12 @@ class Bucket:
 # (groups.post_to_all) 1 MiB does best (86 messages, nothing copied; 0.85-0.92x against
 # 0.78-0.82x for 2 MiB, runs side by side). The default of the recipe key sync.solo_mb.
 SOLO_BYTES = 1 << 20
+
+
+# A sync's message b carries tag b; other transfers on a weight group (the raw baselines of
+# bench/weight_sync.py) use tags from here on, so they never match the receives that a
+# generator posts early for the next sync (WeightReceiver._post_next).
+OTHER_TAGS = 1 << 20
 
 
 def plan_buckets(metas: list[TensorMeta], bucket_bytes: int,
@@ -455,6 +463,7 @@ class WeightReceiver:
         self.watch: list[tuple[torch.Tensor, int]] = []  # engine tensors and their addresses
         self.problem: str | None = None  # why loads are not replayed
         self._works: list[list[dist.Work]] | None = None  # the sync posted, not yet loaded
+        self._posted_early = False  # _works were posted by the last load (see _post_next)
 
     def _post(self, targets: list[list[torch.Tensor]]) -> list[list[dist.Work]]:
         """Post the receive of every bucket of every sender now (bucket b: tag b), round
@@ -475,8 +484,12 @@ class WeightReceiver:
         return self.load(model)
 
     def post(self) -> None:
-        """Post the receives of the next sync and return at once: the bytes travel while the
-        caller does other work (e.g. resets the engine's prefix cache); `load` finishes."""
+        """Post the receives of the next sync and return at once (nothing to do if the last
+        `load` posted them already, see _post_next): the bytes travel while the caller does
+        other work; `load` finishes."""
+        if self._posted_early:
+            self._posted_early = False
+            return
         assert self._works is None, "one sync at a time: load() the one posted first"
         # Did the engine's tensors move (then record again)? Checked before posting only
         # when some buckets are received straight into them; else while the bytes travel,
@@ -492,6 +505,26 @@ class WeightReceiver:
     def load(self, model: torch.nn.Module) -> int:
         """Wait for the sync that `post` started and write it into `model`; returns the
         number of tensors written."""
+        assert not self._posted_early, "post() the receives first"
+        written = self._load(model)
+        self._post_next()
+        return written
+
+    def _post_next(self) -> None:
+        """Post the next sync's receives now if every bucket goes into its receive buffer
+        over gloo point to point. A gloo send waits until its receive is posted: this way the
+        trainers' sends move the moment they are posted, not when this generator comes back
+        from a generation batch to post its receives (their publish and next optimizer step
+        stop waiting for it), and the next load finds the bytes there (the tiny model's sync on
+        the 2-core CPU: 1.2-1.3x the time of a raw transfer without this). The buffers are free:
+        this sync is in the engine. Not when buckets are received straight into the engine
+        (it must not change while it generates), nor on NCCL (a pending broadcast would hold
+        the GPU while it generates)."""
+        if self.targets is self.flats and all(point_to_point(g) for g in self.groups):
+            self._works = self._post(self.flats)
+            self._posted_early = True
+
+    def _load(self, model: torch.nn.Module) -> int:
         works, self._works = self._works, None
         assert works is not None, "post() the receives first"
         if self.replay is not None and self.targets is self.flats and self._moved():
