@@ -311,10 +311,10 @@ class WeightSender:
                 assert [p.shape for p in pieces] == shapes, "a tensor changed shape since setup"
                 # Pack what does not live in its slot (see place_shards), casting to the wire
                 # dtype; a placed shard whose storage FSDP2 has replaced since is copied too.
-                moved = [(slot, p) for (_, slot), p in zip(slots, pieces)
-                         if p.data_ptr() != slot.data_ptr()]
-                if moved:
-                    dsts, srcs = zip(*moved)
+                to_copy = [(slot, p) for (_, slot), p in zip(slots, pieces)
+                           if p.data_ptr() != slot.data_ptr()]
+                if to_copy:
+                    dsts, srcs = zip(*to_copy)
                     torch._foreach_copy_(list(dsts), list(srcs))
                 works += post_to_all(self.group, flat, b, p2p)
         self._track(works, t0, p2p)
