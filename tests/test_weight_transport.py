@@ -149,3 +149,46 @@ def test_next_sync_is_received_while_the_engine_is_busy(gloo_pair, monkeypatch, 
     receiver.load(engine)  # replayed from the receive buffers
     sent.join(30)
     assert not sent.is_alive() and synced()
+
+
+
+def test_a_trainer_that_quits_after_its_last_sync_is_no_error_until_another_is_announced():
+    """The receives posted early for a sync that never comes: posting them fails once the
+    trainer process has closed its connection (as it does after its last sync, possibly
+    before the generator has loaded it). No error then; an error if another sync is
+    announced after all."""
+    import subprocess
+    import sys
+    import time
+
+    from conftest import DIST, ROOT, child_env
+
+    from llamarl.parallel.weight_sync import WeightReceiver
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=60),
+                          wait_for_workers=False)
+    trainer = subprocess.Popen([sys.executable, str(DIST / "quitting_trainer.py")], cwd=ROOT,
+                               env=child_env(PORT=store.port))
+    try:
+        group = dist.ProcessGroupGloo(dist.PrefixStore("wsync0", store), 1, 2,
+                                      timedelta(seconds=60))
+        model, _ = build_model(0)
+        metas = WeightSender(model, 0, 64, None, torch.device("cpu")).metas
+        receiver = WeightReceiver([metas], 64, [group], torch.device("cpu"))
+        engine = LoadingEngine()
+        receiver.post()
+        store.set("go/0", "1")
+        receiver.load(engine)  # its load posts the next sync's receives early
+        assert receiver._posted_early
+        store.set("go/1", "1")
+        assert trainer.wait(60) == 0  # it sent the last sync and quit
+        time.sleep(0.5)  # gloo notices the closed connection (at once, but on its own thread)
+        receiver.post()
+        receiver.load(engine)  # the bytes were there; posting the next receives fails
+        mine = dict(engine.inner.named_parameters())
+        assert all(torch.equal(mine[n], p) for n, p in model.named_parameters())
+        assert receiver._early_error is not None
+        with pytest.raises(RuntimeError, match="closed its connection before announcing"):
+            receiver.post()  # another sync announced after all: now it is an error
+    finally:
+        trainer.kill()
