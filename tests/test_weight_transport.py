@@ -7,16 +7,20 @@ tests/test_weight_sync.py.)"""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
+import time
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import DIST, ROOT, child_env
 
 from llamarl.parallel import weight_sync
 from llamarl.parallel.groups import point_to_point, post_from_root, post_to_all
-from llamarl.parallel.weight_sync import _DTYPES, WeightSender
+from llamarl.parallel.weight_sync import _DTYPES, WeightReceiver, WeightSender
 from llamarl.tiny.model import build_model
 
 
@@ -110,6 +114,11 @@ class LoadingEngine(torch.nn.Module):
             for name, tensor in weights:
                 params[name].copy_(tensor)
 
+    def holds(self, model: torch.nn.Module) -> bool:
+        """Whether every parameter equals `model`'s of the same name."""
+        mine = dict(self.inner.named_parameters())
+        return all(torch.equal(mine[n], p) for n, p in model.named_parameters())
+
 
 @pytest.mark.parametrize("p2p", [True, False], ids=["point-to-point", "broadcast"])
 def test_next_sync_is_received_while_the_engine_is_busy(gloo_pair, monkeypatch, p2p):
@@ -117,8 +126,6 @@ def test_next_sync_is_received_while_the_engine_is_busy(gloo_pair, monkeypatch, 
     the next sync's receives when it loads one: the trainer's next send leaves at once, while
     the engine is busy elsewhere (here: nobody calls the receiver), and the next load finds the
     bytes there. Not on the broadcast path (NCCL's)."""
-    from llamarl.parallel.weight_sync import WeightReceiver
-
     root, engine_group = gloo_pair
     if not p2p:
         monkeypatch.setattr(weight_sync, "point_to_point", lambda group: False)
@@ -126,16 +133,11 @@ def test_next_sync_is_received_while_the_engine_is_busy(gloo_pair, monkeypatch, 
     sender = WeightSender(model, 0, 64, root, torch.device("cpu"))
     receiver = WeightReceiver([sender.metas], 64, [engine_group], torch.device("cpu"))
     engine = LoadingEngine()
-
-    def synced() -> bool:
-        mine = dict(engine.inner.named_parameters())
-        return all(torch.equal(mine[n], p) for n, p in model.named_parameters())
-
     receiver.post()
     sender.publish(model, version=None)
     receiver.load(engine)  # the first sync: load_weights, recorded
     sender.wait()
-    assert synced() and receiver.replay is not None, receiver.problem
+    assert engine.holds(model) and receiver.replay is not None, receiver.problem
     assert receiver._posted_early == p2p
 
     with torch.no_grad():
@@ -148,8 +150,7 @@ def test_next_sync_is_received_while_the_engine_is_busy(gloo_pair, monkeypatch, 
     receiver.post()  # nothing to do when posted early
     receiver.load(engine)  # replayed from the receive buffers
     sent.join(30)
-    assert not sent.is_alive() and synced()
-
+    assert not sent.is_alive() and engine.holds(model)
 
 
 def test_a_trainer_that_quits_after_its_last_sync_is_no_error_until_another_is_announced():
@@ -157,14 +158,6 @@ def test_a_trainer_that_quits_after_its_last_sync_is_no_error_until_another_is_a
     trainer process has closed its connection (as it does after its last sync, possibly
     before the generator has loaded it). No error then; an error if another sync is
     announced after all."""
-    import subprocess
-    import sys
-    import time
-
-    from conftest import DIST, ROOT, child_env
-
-    from llamarl.parallel.weight_sync import WeightReceiver
-
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=60),
                           wait_for_workers=False)
     trainer = subprocess.Popen([sys.executable, str(DIST / "quitting_trainer.py")], cwd=ROOT,
@@ -185,8 +178,7 @@ def test_a_trainer_that_quits_after_its_last_sync_is_no_error_until_another_is_a
         time.sleep(0.5)  # gloo notices the closed connection (at once, but on its own thread)
         receiver.post()
         receiver.load(engine)  # the bytes were there; posting the next receives fails
-        mine = dict(engine.inner.named_parameters())
-        assert all(torch.equal(mine[n], p) for n, p in model.named_parameters())
+        assert engine.holds(model)
         assert receiver._early_error is not None
         with pytest.raises(RuntimeError, match="closed its connection before announcing"):
             receiver.post()  # another sync announced after all: now it is an error
