@@ -46,7 +46,7 @@ def standalone(recipe: str, steps: int, model_dir: str, extra: list[str]) -> lis
     from llamarl.data.dataset import load_prompt_data
     from llamarl.data.loader import PromptLoader, shard
     from llamarl.data.prompts import PromptFormatter
-    from llamarl.generator.engine import Engine
+    from llamarl.generator.engine import Engine, sampler_seed
 
     cfg = load_config(recipe, extra)
     g = cfg.generator
@@ -60,7 +60,7 @@ def standalone(recipe: str, steps: int, model_dir: str, extra: list[str]) -> lis
         t0 = time.perf_counter()
         groups = engine.generate([p.token_ids for p in prompts], g.samples_per_prompt,
                                  g.temperature, g.max_new_tokens,
-                                 seed=cfg.run.seed * 1_000_003 + step * 1009)
+                                 seed=sampler_seed(cfg.run.seed, "train", step, 0))
         dt = time.perf_counter() - t0
         rows.append({"tokens": sum(len(c.token_ids) for grp in groups for c in grp), "s": dt})
     return rows

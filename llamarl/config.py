@@ -75,7 +75,10 @@ class TrainerConfig:
     grad_clip: float = 1.0
     warmup_steps: int = 0
     lr_schedule: str = "constant"  # constant | cosine
-    threads: int = 0  # torch intra-op threads per trainer rank on CPU; 0 = cores / local ranks
+    # torch intra-op threads per trainer rank on CPU; 0 = auto (llamarl/launch/cores.py: with
+    # max_staleness 0 the trainers share the host's cores while the engines wait, and the
+    # other way round; with overlap every local rank gets an equal share)
+    threads: int = 0
     max_bad_steps: int = 3  # consecutive steps with a NaN/inf loss or gradient before stopping
     # Recompute each decoder block's activations in backward (policy and critic): less memory
     # for long sequences and big models, about a third more compute.
@@ -141,7 +144,15 @@ class GeneratorConfig:
     max_new_tokens: int = 16
     temperature: float = 1.0
     max_model_len: int = 128
-    kv_cache_gib: float = 0.25  # CPU KV cache per engine; on GPU gpu_memory_utilization applies
+    # CPU KV cache per engine, GiB; 0 = sized for the workload (the largest generate call's
+    # sequences x max_model_len, bounded by half the host's available memory; said at start,
+    # llamarl/generator/kv_cache.py). On GPU gpu_memory_utilization applies.
+    kv_cache_gib: float = 0.0
+    # Sequences vLLM runs at once; 0 = every sequence of the largest generate call (vLLM's own
+    # default is 256 on CPU: a batch of 512 would run in two waves).
+    max_num_seqs: int = 0
+    # Generation threads per engine rank on CPU; 0 = auto, as trainer.threads.
+    threads: int = 0
     # Tokens per KV-cache block; 0 = vLLM's default (16 on GPU, 128 on CPU). The prefix cache
     # reuses whole blocks only (a prompt shorter than a block is never reused).
     block_size: int = 0
@@ -261,7 +272,6 @@ def validate(cfg: Config) -> Config:
         "generator.samples_per_prompt": cfg.generator.samples_per_prompt,
         "generator.max_new_tokens": cfg.generator.max_new_tokens,
         "generator.max_model_len": cfg.generator.max_model_len,
-        "generator.kv_cache_gib": cfg.generator.kv_cache_gib,
         "sync.every": cfg.sync.every, "sync.bucket_mb": cfg.sync.bucket_mb,
         "sync.solo_mb": cfg.sync.solo_mb, "sync.timeout_s": cfg.sync.timeout_s,
         "sync.dead_peer_s": cfg.sync.dead_peer_s,
@@ -280,6 +290,9 @@ def validate(cfg: Config) -> Config:
                        "trainer.warmup_steps":
                        cfg.trainer.warmup_steps, "sync.max_staleness": cfg.sync.max_staleness,
                        "trainer.threads": cfg.trainer.threads,
+                       "generator.threads": cfg.generator.threads,
+                       "generator.kv_cache_gib": cfg.generator.kv_cache_gib,
+                       "generator.max_num_seqs": cfg.generator.max_num_seqs,
                        "trainer.weight_decay": cfg.trainer.weight_decay,
                        "trainer.grad_clip": cfg.trainer.grad_clip,
                        "algorithm.kl_coef": cfg.algorithm.kl_coef,

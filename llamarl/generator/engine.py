@@ -12,11 +12,15 @@ vLLM reads them.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 
+import torch
+
 from llamarl.config import GeneratorConfig
 from llamarl.generator.cpu_fixes import disable_onednn_prepack
+from llamarl.generator.kv_cache import DEFAULT_BLOCK, KVPlan, kv_bytes_per_token, plan_kv_cache
 
 WORKER_EXTENSION = "llamarl.generator.worker_ext.LlamarlWorkerExtension"
 
@@ -27,6 +31,18 @@ class Completion:
     logprobs: list[float]  # log pi_behaviour(token_t | prefix), after temperature
     finish_reason: str  # "stop" (EOS) | "length"
     text: str
+
+
+def sampler_seed(run_seed: int, purpose: str, step: int, engine: int, round_: int = 0) -> int:
+    """The sampler's seed for one generate call: a 63-bit hash of everything that names the
+    call, so no two calls of a run (steps, engines, dynamic-sampling rounds, evaluations) and
+    no two runs with different run.seed share a random stream."""
+    key = f"{run_seed}/{purpose}/{step}/{engine}/{round_}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
 
 
 @dataclass(frozen=True)
@@ -58,53 +74,126 @@ def prepare_environment(world: EngineWorld | None, on_cpu: bool) -> None:
 
 
 class Engine:
+    """A vLLM engine in this process.
+
+    `sequences`: the most sequences one generate call runs (sizes the KV cache and vLLM's
+    max_num_seqs; default: one training batch of this engine). `threads`: torch/OpenMP threads
+    for generation on CPU (0 = leave as launched)."""
+
     def __init__(self, model_path: str, cfg: GeneratorConfig, dtype: str, seed: int,
-                 on_cpu: bool, world: EngineWorld | None = None):
+                 on_cpu: bool, world: EngineWorld | None = None, sequences: int = 0,
+                 engines_on_host: int = 1, threads: int = 0):
         prepare_environment(world, on_cpu)
         if on_cpu:
             disable_onednn_prepack()
         from vllm import LLM
 
-        memory = ({"kv_cache_memory_bytes": int(cfg.kv_cache_gib * (1 << 30))} if on_cpu
-                  else {"gpu_memory_utilization": cfg.gpu_memory_utilization})
+        sequences = sequences or cfg.prompts_per_step // cfg.engines * cfg.samples_per_prompt
+        self.block_size = cfg.block_size or DEFAULT_BLOCK["cpu" if on_cpu else "gpu"]
+        self.bytes_per_token = kv_bytes_per_token(model_path, dtype, cfg.tp)
+        self.sequences = sequences
+        self.kv: KVPlan | None = None
+        if on_cpu:  # ValueError at start when not even one full-length sequence fits
+            self.kv = plan_kv_cache(self.bytes_per_token, sequences, cfg.max_model_len,
+                                    self.block_size, cfg.kv_cache_gib, engines_on_host)
+            memory = {"kv_cache_memory_bytes": self.kv.cache_bytes}
+        else:
+            memory = {"gpu_memory_utilization": cfg.gpu_memory_utilization}
         extra = {}
         if cfg.tp > 1:
             extra["distributed_executor_backend"] = "external_launcher"
         if cfg.block_size:
             extra["block_size"] = cfg.block_size
         self.cfg = cfg
-        self.llm = LLM(
-            model=model_path, dtype=dtype, seed=seed, tensor_parallel_size=cfg.tp,
-            max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager,
-            worker_extension_cls=WORKER_EXTENSION, logprobs_mode="processed_logprobs",
-            enable_prefix_caching=True, **memory, **extra)
+        try:
+            self.llm = LLM(
+                model=model_path, dtype=dtype, seed=seed, tensor_parallel_size=cfg.tp,
+                max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager,
+                worker_extension_cls=WORKER_EXTENSION, logprobs_mode="processed_logprobs",
+                enable_prefix_caching=True, max_num_seqs=cfg.max_num_seqs or sequences,
+                **memory, **extra)
+        except Exception as e:  # vLLM's own words name none of the recipe's keys
+            raise RuntimeError(f"the vLLM engine did not start: {self._meaning(e)} "
+                               f"({_first_line(e)})") from e
+        if self.kv is None:  # GPU: vLLM sized the cache from gpu_memory_utilization
+            self.kv = self._measured_kv_plan()
         self.tokenizer = self.llm.get_tokenizer()
         # The vLLM worker runs in this process (tp = 1 in-process, or this process's tp rank
         # under the external launcher), so the weight sync calls it directly: collective_rpc's
         # layers cost ~0.1 ms a call on the 2-core CPU, 5% of a tiny model's sync.
         self.worker = self.llm.collective_rpc("llamarl_worker")[0]
-        # Set by every weight load: the prefix cache holds KV computed with the old weights,
-        # and the next generate empties it first (see load_posted_weights).
-        self._stale_prefix_cache = False
+        if on_cpu and threads:
+            # vLLM's CPU worker replaces torch.set_num_threads with a no-op once it has bound
+            # its threads; with VLLM_CPU_OMP_THREADS_BIND=nobind nothing is bound, so the
+            # underlying call is safe and sets the OpenMP pool that generation runs on.
+            torch._C.set_num_threads(threads)
+
+    def _measured_kv_plan(self) -> KVPlan | None:
+        """The KV cache vLLM allocated (GPU), against the workload's need."""
+        blocks = getattr(self.llm.llm_engine.vllm_config.cache_config, "num_gpu_blocks", None)
+        if not blocks:
+            return None
+        seq = -(-self.cfg.max_model_len // self.block_size) * self.block_size
+        seq_bytes = seq * self.bytes_per_token
+        return KVPlan(blocks * self.block_size * self.bytes_per_token,
+                      self.sequences * seq_bytes, seq_bytes, self.sequences,
+                      self.cfg.max_model_len, self.bytes_per_token, auto=False, gpu=True)
+
+    def _meaning(self, e: BaseException) -> str:
+        """What an error escaping vLLM means for the user, in the recipe's terms."""
+        text = str(e).lower()
+        need = self.sequences * -(-self.cfg.max_model_len // self.block_size) \
+            * self.block_size * self.bytes_per_token / (1 << 30)
+        key = ("generator.kv_cache_gib" if self.kv is None or not self.kv.gpu
+               else "generator.gpu_memory_utilization")
+        if "does not use offset" in text:
+            return ("vLLM rewound a request's own random generator, which a CPU generator "
+                    "cannot do (a seeded request was preempted, or its prefill chunked); "
+                    "llamarl seeds the sampler per call and no request, so this is a bug to "
+                    "report")
+        if any(s in text for s in ("kv cache", "out of memory", "no available memory",
+                                   "cache blocks", "larger than the maximum number of tokens")):
+            return (f"the KV cache is too small: one batch of {self.sequences} sequences x "
+                    f"{self.cfg.max_model_len} tokens needs {need:.3g} GiB; raise {key}, or "
+                    "lower generator.max_model_len or the batch")
+        return "the engine failed"
 
     def generate(self, prompts: list[list[int]], n: int, temperature: float, max_tokens: int,
-                 seed: int | None = None) -> list[list[Completion]]:
+                 seed: int) -> list[list[Completion]]:
         """Sample `n` completions per prompt (token ids). Returns one group per prompt.
 
         top_p = 1 and top_k disabled, so the returned logprobs are those of the plain
         temperature-scaled softmax, which is what the trainer recomputes.
+
+        Randomness: the sampler's generator is seeded with `seed` (sampler_seed below) and no
+        request carries a seed of its own. Each decode step draws one noise tensor for every
+        running sequence, so every sample of the call reads its own draws (no two samples, of
+        one prompt or of two, share them), and the call is a deterministic function of `seed`,
+        the weights and the prompts (the prefix cache is emptied first, so nothing left by
+        earlier calls changes the engine's schedule). Per-request seeds (SamplingParams(n, seed)) gave child i
+        of every prompt the same stream (correlated samples across prompts), and on CPU they
+        crash as soon as vLLM preempts a request or chunks a prefill: it rewinds the request's
+        generator with set_offset, which CPU generators do not have.
         """
         from vllm import SamplingParams, TokensPrompt
 
-        if self._stale_prefix_cache:  # never reuse KV computed with older weights
-            if not self.llm.reset_prefix_cache():
-                raise RuntimeError("vLLM refused to reset its prefix cache (requests running?): "
-                                   "generating now would reuse KV of the old weights")
-            self._stale_prefix_cache = False
+        # Every call starts from an empty prefix cache: KV computed with older weights is never
+        # reused, and the engine's schedule (which sequences run, are preempted, share a step),
+        # and so which noise each sample reads, depends on this call's inputs alone. A
+        # prompt's samples still share its prefix within the call.
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache (requests running?): "
+                               "generating now would reuse KV of the old weights")
         params = SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0,
-                                max_tokens=max_tokens, logprobs=0, seed=seed)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                                    use_tqdm=False)
+                                max_tokens=max_tokens, logprobs=0)
+        self.worker.llamarl_seed_sampler(seed)
+        try:
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                                        params, use_tqdm=False)
+        except Exception as e:
+            raise RuntimeError(f"the vLLM engine failed generating {len(prompts)} prompts x {n} "
+                               f"samples of up to {max_tokens} tokens: {self._meaning(e)} "
+                               f"({_first_line(e)})") from e
         groups = []
         for out in outputs:
             group = []
@@ -134,11 +223,10 @@ class Engine:
 
     def load_posted_weights(self) -> None:
         """Blocking: finish the sync that post_weights started. The prefix cache (KV computed
-        with the old weights) is emptied by the next generate call: not while the bytes
-        travel, where its ~0.1 ms of CPU slowed a tiny model's transfer on the 2-core CPU, and
-        once for several loads in a row (a generator catching up on versions)."""
+        with the old weights) is emptied by the next generate call, as every call does: not
+        while the bytes travel, where its ~0.1 ms of CPU slowed a tiny model's transfer on the
+        2-core CPU."""
         self.worker.llamarl_load_received()
-        self._stale_prefix_cache = True
 
     def checksum(self) -> float:
         return self.llm.collective_rpc("llamarl_state_checksum")[0]

@@ -37,7 +37,8 @@ from llamarl.buffer.record import RolloutBatch, split_groups
 from llamarl.data.dataset import PromptData, load_prompt_data
 from llamarl.data.loader import PromptLoader, shard
 from llamarl.data.prompts import PromptFormatter
-from llamarl.generator.engine import Engine, EngineWorld
+from llamarl.generator.engine import Engine, EngineWorld, sampler_seed
+from llamarl.launch.cores import local_ranks, threads_for
 from llamarl.launch.runtime import Runtime, free_port, log
 from llamarl.parallel.weight_sync import announced_version, broadcast_announced
 from llamarl.rewards.dynamic_sampling import collect_groups
@@ -86,6 +87,15 @@ def encode_prompts(rt: Runtime, data: PromptData, tokenizer, model_path: str):
     return PromptLoader(train, cfg.run.seed, e, engines), held_out
 
 
+def largest_call(rt: Runtime, held_out: int) -> int:
+    """Sequences of this engine's largest generate call: a training batch, or the held-out
+    evaluation (its share of the held-out prompts x eval_samples_per_prompt)."""
+    cfg, engines = rt.cfg, rt.layout.engines
+    train = cfg.generator.prompts_per_step // engines * cfg.generator.samples_per_prompt
+    evaluation = -(-held_out // engines) * cfg.data.eval_samples_per_prompt
+    return max(train, evaluation)
+
+
 def join_weight_groups(rt: Runtime, engine: Engine) -> None:
     """Join wsync<r> = [trainer r (group rank 0), generator ranks (1 + j)] for every trainer
     rank r (see trainer.loop.open_weight_sender)."""
@@ -105,9 +115,15 @@ def run_generator(rt: Runtime) -> None:
     data = read_prompt_data(rt)
     model_path = rt.wait_key("model/path")
     t0 = time.perf_counter()
+    threads = threads_for(cfg, rt.layout, rt.role.rank) if rt.on_cpu else 0
     engine = Engine(model_path, g, cfg.model.dtype, seed=cfg.run.seed + e, on_cpu=rt.on_cpu,
-                    world=_engine_world(rt))
-    log(rt, f"vLLM engine up in {time.perf_counter() - t0:.1f} s ({model_path})")
+                    world=_engine_world(rt), sequences=largest_call(rt, len(data.held_out)),
+                    engines_on_host=local_ranks(rt.layout, rt.role.rank, "generator"),
+                    threads=threads)
+    log(rt, f"vLLM engine up in {time.perf_counter() - t0:.1f} s ({model_path}"
+            + (f", {threads} threads" if threads else "") + ")")
+    if leader and engine.kv is not None:
+        log(rt, engine.kv.describe())
 
     join_weight_groups(rt, engine)
 
@@ -255,8 +271,7 @@ def sample_batch(rt: Runtime, engine: Engine, draw, scorer: RewardScorer, versio
         with timeline.phase("generate", step):
             groups = engine.generate([p.token_ids for p in prompts], g.samples_per_prompt,
                                      g.temperature, g.max_new_tokens,
-                                     seed=cfg.run.seed * 1_000_003 + step * 1009 + e
-                                     + round_ * 7_919_993)
+                                     seed=sampler_seed(cfg.run.seed, "train", step, e, round_))
         t1 = time.perf_counter()
         with timeline.phase("reward", step):
             scored, scores = score_groups(scorer, prompts, groups, first)
@@ -313,8 +328,11 @@ class Evaluator:
         ids = [p.token_ids for p in self.prompts]
         n = rt.cfg.data.eval_samples_per_prompt
         start = time.time()
-        sampled = self.engine.generate(ids, n, g.temperature, g.max_new_tokens, seed=7919 + step)
-        greedy = self.engine.generate(ids, 1, 0.0, g.max_new_tokens, seed=0)
+        e, seed = rt.role.index, rt.cfg.run.seed
+        sampled = self.engine.generate(ids, n, g.temperature, g.max_new_tokens,
+                                       seed=sampler_seed(seed, "eval", step, e))
+        greedy = self.engine.generate(ids, 1, 0.0, g.max_new_tokens,
+                                      seed=sampler_seed(seed, "greedy", step, e))
         if self.timeline is not None:
             self.timeline.record("eval", start, time.time(), step)
         s = sum(self._score(sampled))

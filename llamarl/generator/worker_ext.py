@@ -66,3 +66,8 @@ class LlamarlWorkerExtension:
     def llamarl_state_checksum(self) -> float:
         """Sum of all parameters: a cheap check that weights changed (tests)."""
         return float(sum(p.detach().double().sum() for p in self.model_runner.model.parameters()))
+
+    def llamarl_seed_sampler(self, seed: int) -> None:
+        """Seed the generator vLLM's sampler draws from (requests carry no seed of their own):
+        torch's default generators of this process, where the sampler runs (Engine.generate)."""
+        torch.manual_seed(seed)

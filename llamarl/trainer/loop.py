@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from llamarl.buffer.channel import open_channel
 from llamarl.buffer.record import RolloutBatch
+from llamarl.launch.cores import threads_for
 from llamarl.launch.runtime import Runtime, log
 from llamarl.parallel.fsdp import apply_fsdp
 from llamarl.parallel.groups import make_group
@@ -46,11 +47,8 @@ TRAINER_BACKEND = {"cuda": "cpu:gloo,cuda:nccl", "cpu": "gloo"}
 
 def init_trainer_group(rt: Runtime):
     """The trainer sub-mesh: a role-local default group (trainer ranks only) and its mesh."""
-    import os
-
-    threads = rt.cfg.trainer.threads or max(1, (os.cpu_count() or 1) // rt.env.local_world_size)
     if rt.on_cpu:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(threads_for(rt.cfg, rt.layout, rt.role.rank))
     else:
         torch.cuda.set_device(rt.device)
     # On GPU, NCCL carries the CUDA tensors (FSDP2) and gloo the small CPU tensors (batch

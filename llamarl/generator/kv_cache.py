@@ -1,0 +1,116 @@
+"""How much KV cache an engine needs for its workload, and what to tell the user about it.
+
+One generate call runs up to S sequences at once (a training batch: prompts_per_step / engines x
+samples_per_prompt; a held-out evaluation: its prompts x eval_samples_per_prompt). Each sequence
+can grow to max_model_len tokens, held in whole blocks of `block` tokens, and each token keeps a
+key and a value per layer and KV head:
+
+    bytes_per_token = 2 x layers x ceil(kv_heads / tp) x head_dim x dtype_bytes
+    need            = S x ceil(max_model_len / block) x block x bytes_per_token
+
+With less cache than `need`, vLLM preempts running sequences and recomputes them later: correct
+(the sampler draws from one generator per call, see engine.py), but slower. With less than one
+sequence at full length vLLM refuses to start, so that is a start-up error here, naming the key.
+
+`generator.kv_cache_gib = 0` (the default) sizes the CPU cache to `need`, bounded by half the
+memory available on the host at start, shared by the engines there. On GPU vLLM sizes the cache
+from `gpu_memory_utilization`; the engine reports what it got against `need` after start.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GIB = 1 << 30
+# vLLM's default block sizes (tokens per KV block) when generator.block_size = 0.
+DEFAULT_BLOCK = {"cpu": 128, "gpu": 16}
+# Of the memory available at start, the share all engines of a host may take for KV.
+HOST_SHARE = 0.5
+
+
+def kv_bytes_per_token(model_path: str | Path, dtype: str, tp: int = 1) -> int:
+    """KV bytes one token takes in one tp rank of the engine, from the model's config.json."""
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)  # multimodal configs nest the language model's
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return 2 * cfg["num_hidden_layers"] * math.ceil(kv_heads / tp) * head_dim * DTYPE_BYTES[dtype]
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable of this host (Linux), else the physical memory."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """The KV cache of one engine (per tp rank) and the workload it was sized for."""
+
+    cache_bytes: int  # what the engine gets
+    need_bytes: int  # every sequence of the largest generate call at full length
+    seq_bytes: int  # one sequence at full length (vLLM's minimum)
+    sequences: int  # sequences of the largest generate call
+    max_model_len: int
+    bytes_per_token: int
+    auto: bool  # sized here (generator.kv_cache_gib = 0), not given by the user
+    gpu: bool = False  # sized by vLLM from generator.gpu_memory_utilization
+
+    @property
+    def fits(self) -> int:
+        """Sequences at full length the cache holds at once."""
+        return self.cache_bytes // self.seq_bytes
+
+    def describe(self) -> str:
+        how = ("generator.kv_cache_gib=0: sized for the workload" if self.auto
+               else "generator.gpu_memory_utilization" if self.gpu else "generator.kv_cache_gib")
+        fix = (f"raise generator.gpu_memory_utilization ({self.need_bytes / GIB:.3g} GiB of KV "
+               "holds them all)" if self.gpu else
+               f"generator.kv_cache_gib={math.ceil(self.need_bytes / GIB * 100) / 100} avoids it")
+        line = (f"KV cache {self.cache_bytes / GIB:.3g} GiB ({how}): a batch runs "
+                f"{self.sequences} sequences x {self.max_model_len} tokens x "
+                f"{self.bytes_per_token / 1024:.3g} KiB/token = {self.need_bytes / GIB:.3g} GiB")
+        if self.fits < self.sequences:
+            line += (f"; the cache holds {self.fits} of them at full length, so vLLM will "
+                     f"preempt and recompute (correct, slower): {fix}")
+        return line
+
+
+def plan_kv_cache(bytes_per_token: int, sequences: int, max_model_len: int, block: int,
+                  kv_cache_gib: float, engines_on_host: int = 1,
+                  available: int | None = None) -> KVPlan:
+    """Size the CPU KV cache (kv_cache_gib = 0: from the workload) and check it can work.
+
+    Raises ValueError when not even one sequence of max_model_len tokens fits."""
+    seq_bytes = math.ceil(max_model_len / block) * block * bytes_per_token
+    need = sequences * seq_bytes
+    if kv_cache_gib > 0:
+        cache = int(kv_cache_gib * GIB)
+        if cache < seq_bytes:
+            raise ValueError(
+                f"generator.kv_cache_gib = {kv_cache_gib} holds less than one sequence of "
+                f"generator.max_model_len = {max_model_len} tokens ({seq_bytes / GIB:.3g} GiB): "
+                f"raise it to at least {seq_bytes / GIB:.3g} GiB ({need / GIB:.3g} GiB holds a "
+                f"whole batch of {sequences} sequences), or lower max_model_len")
+        return KVPlan(cache, need, seq_bytes, sequences, max_model_len, bytes_per_token, False)
+    available = available_memory_bytes() if available is None else available
+    bound = int(available * HOST_SHARE / max(1, engines_on_host))
+    if bound < seq_bytes:
+        raise ValueError(
+            f"this host has {available / GIB:.3g} GiB available, too little for the KV cache of "
+            f"even one sequence of generator.max_model_len = {max_model_len} tokens "
+            f"({seq_bytes / GIB:.3g} GiB per engine): lower generator.max_model_len, or free "
+            "memory and set generator.kv_cache_gib explicitly")
+    return KVPlan(min(need, bound), need, seq_bytes, sequences, max_model_len, bytes_per_token,
+                  True)

@@ -1,0 +1,129 @@
+"""Sampling randomness, the KV cache sized from the workload, and threads per role.
+
+The real-engine test drives vLLM (tiny model) through a batch that needs chunked prefills and
+preemption; on the code before the sampler seeding fix it either crashed ('CPU Generator does not
+use offset') or returned identical groups for a prompt placed twice in one batch.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import DIST, ROOT, child_env, torchrun
+
+from llamarl.config import load_config
+from llamarl.generator.engine import sampler_seed
+from llamarl.generator.kv_cache import GIB, kv_bytes_per_token, plan_kv_cache
+from llamarl.launch.cores import threads_for
+from llamarl.launch.layout import compute_layout
+
+RECIPE = "recipes/tiny_grpo_cpu.yaml"
+
+
+def test_sampler_seeds_differ_for_every_call_and_run():
+    calls = [(run, purpose, step, engine, rnd) for run in (0, 1) for purpose in ("train", "eval")
+             for step in range(50) for engine in range(4) for rnd in range(3)]
+    seeds = {sampler_seed(*c) for c in calls}
+    assert len(seeds) == len(calls)
+    assert all(0 <= s < 2**63 for s in seeds)
+    assert sampler_seed(3, "train", 7, 1) == sampler_seed(3, "train", 7, 1)  # deterministic
+
+
+def test_engine_samples_independently_and_survives_preemption(tiny_model_dir):
+    """384 sequences in a KV cache that holds 163 at full length, 23k prompt tokens against a
+    4096-token step budget: vLLM chunks prefills and preempts (counted in its scheduler)."""
+    proc = subprocess.run([sys.executable, str(DIST / "engine_sampling.py"), str(tiny_model_dir),
+                           "0.02"], cwd=ROOT, env=child_env(OMP_NUM_THREADS=2),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["preemptions"] > 0, out
+    assert "will preempt" in out["kv"] and "generator.kv_cache_gib=0.05" in out["kv"], out["kv"]
+    assert out["groups"] == 48 and out["sizes"] == [8] and out["lengths_ok"] and out["logprobs_ok"]
+    # the same prompt twice in one batch: two independent groups, not one group twice
+    assert out["duplicate_prompt_identical"] == 0, out
+    assert out["first_token_agree"] <= 3, out  # ~0.2 expected by chance over a 45-token vocab
+    assert out["distinct_in_group0"] == 8, out
+    # deterministic in the seed, preemption included; another seed, other samples
+    assert out["same_seed_identical"] and not out["other_seed_identical"], out
+
+
+def test_kv_bytes_per_token_from_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2,
+        "hidden_size": 512}))
+    # the 24M Qwen2 of the KV-preemption issue: 2 x 8 layers x 2 heads x 64 x 4 bytes = 8 KiB
+    assert kv_bytes_per_token(tmp_path, "float32") == 8192
+    assert kv_bytes_per_token(tmp_path, "bfloat16", tp=2) == 2048
+
+
+def test_auto_kv_cache_holds_the_batch_within_the_host_bound():
+    # 512 sequences x 160 tokens (two 128-token blocks each) x 8 KiB
+    plan = plan_kv_cache(8192, 512, 160, 128, 0.0, available=16 * GIB)
+    assert plan.auto and plan.need_bytes == 512 * 256 * 8192 and plan.cache_bytes == plan.need_bytes
+    assert plan.fits == 512 and "preempt" not in plan.describe()
+    small = plan_kv_cache(8192, 512, 160, 128, 0.0, engines_on_host=2, available=2 * GIB)
+    assert small.cache_bytes == GIB // 2 and small.fits == 256
+    assert "holds 256 of them" in small.describe() and "kv_cache_gib=1" in small.describe()
+
+
+def test_kv_cache_too_small_for_one_sequence_is_a_one_line_error():
+    with pytest.raises(ValueError, match=r"generator.kv_cache_gib = 0.001 holds less than one "
+                                         r"sequence .* raise it to at least"):
+        plan_kv_cache(8192, 512, 160, 128, 0.001)
+    with pytest.raises(ValueError, match="too little for the KV cache of even one sequence"):
+        plan_kv_cache(8192, 512, 160, 128, 0.0, available=1 << 20)
+
+
+def test_explicit_kv_cache_below_a_batch_warns_with_the_size_needed():
+    plan = plan_kv_cache(8192, 512, 160, 128, 0.25)
+    assert not plan.auto and plan.fits == 128
+    assert "vLLM will preempt" in plan.describe() and "kv_cache_gib=1.0" in plan.describe()
+
+
+def _threads(overrides, cores=2, world=3, per_node=3):
+    cfg = load_config(RECIPE, overrides)
+    layout = compute_layout(world, per_node, cfg.trainer.ranks, cfg.generator.engines, 1)
+    return [threads_for(cfg, layout, r, cores) for r in range(world)]
+
+
+def test_on_policy_the_running_role_gets_the_cores():
+    assert _threads([]) == [1, 1, 2]  # 2 trainers share 2 cores; the engine gets both
+    assert _threads([], cores=16) == [8, 8, 16]
+    assert _threads(["trainer.ranks=1", "generator.engines=2"], cores=16) == [16, 8, 8]
+
+
+def test_overlapping_roles_share_the_cores_and_explicit_counts_win():
+    assert _threads(["sync.max_staleness=1"], cores=16) == [5, 5, 5]
+    assert _threads(["sync.max_staleness=1"]) == [1, 1, 1]
+    assert _threads(["generator.threads=3", "trainer.threads=4"]) == [4, 4, 3]
+    # two nodes of 3 ranks (4 trainers, 2 engines): counted per node
+    cfg = ["trainer.ranks=4", "generator.engines=2", "generator.prompts_per_step=8"]
+    assert _threads(cfg, cores=12, world=6, per_node=3) == [4, 4, 4, 12, 6, 6]
+
+
+@pytest.mark.slow
+def test_run_with_a_kv_cache_smaller_than_a_batch_completes(tmp_path, cache_dir):
+    """The default recipe with a cache that holds 80 of a batch's 512 sequences."""
+    proc = torchrun(3, ["-m", "llamarl.launch", RECIPE, "run.steps=2", "run.eval_every=0",
+                        f"run.output_dir={tmp_path}", "data.eval_prompts=16",
+                        "generator.kv_cache_gib=0.01"], timeout=600, LLAMARL_CACHE=cache_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stderr.splitlines() if "KV cache 0.01 GiB" in x)
+    assert "holds 80 of them" in line and "generator.kv_cache_gib=0.07" in line, line
+
+
+@pytest.mark.slow
+def test_kv_cache_below_one_sequence_stops_the_run_in_one_line(tmp_path, cache_dir):
+    t0 = time.monotonic()
+    proc = torchrun(3, ["-m", "llamarl.launch", RECIPE, f"run.output_dir={tmp_path}",
+                        "generator.prompts_per_step=8", "generator.kv_cache_gib=0.00001"],
+                    timeout=300, LLAMARL_CACHE=cache_dir)
+    assert proc.returncode != 0 and time.monotonic() - t0 < 120
+    line = next(x for x in proc.stderr.splitlines()
+                if x.startswith("llamarl: rank 2 (generator 0)"))
+    assert "generator.kv_cache_gib = 1e-05 holds less than one sequence" in line, line
