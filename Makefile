@@ -46,6 +46,8 @@ lint: install
 	$(VENV)/bin/ruff check llamarl tests bench
 
 bench: install
+	$(PY) -m pip install -q -e ".[$(VLLM_EXTRA),dev,bench]"
+	$(PY) bench/peer_trl.py
 	$(PY) bench/generator_throughput.py
 	$(PY) bench/async_pipeline.py
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 3 bench/weight_sync.py --model tiny --rounds 20 --cycles 5

@@ -7,6 +7,8 @@ seconds per update, trained tokens/s (prompt + completion tokens of the batch / 
 peak accelerator memory, and PPO's cost relative to GRPO.
 
     torchrun --standalone --nproc-per-node 1 bench/trainer_throughput.py --model tiny
+    torchrun --standalone --nproc-per-node 2 bench/trainer_throughput.py --model 24m \
+        --seqs 512 --prompt-len 8 --completion-len 40     # the KV-preemption issue's update
     torchrun --standalone --nproc-per-node 8 bench/trainer_throughput.py --model 0.5b \
         --seqs 256 --prompt-len 256 --completion-len 768 --micro-batch 8 --dtype bfloat16
 """
@@ -28,7 +30,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 
 def build_model_dir(kind: str) -> str:
-    """A randomly initialised HF directory: the tiny model, or Qwen2.5-0.5B's architecture."""
+    """A randomly initialised HF directory: the tiny model, the 24M Qwen2 of the KV-preemption
+    issue (hidden 512, 8 layers, 2 KV heads, the tiny character tokenizer), or Qwen2.5-0.5B's
+    architecture."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from llamarl.tiny.model import build_model, build_tokenizer, save_hf_dir
@@ -38,6 +42,15 @@ def build_model_dir(kind: str) -> str:
         return str(path)
     if kind == "tiny":
         model, tok = build_model(0)
+    elif kind == "24m":
+        tok = build_tokenizer()
+        cfg = Qwen2Config(vocab_size=len(tok), hidden_size=512, intermediate_size=1536,
+                          num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                          max_position_embeddings=256, tie_word_embeddings=True,
+                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                          pad_token_id=tok.pad_token_id)
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(cfg)
     else:
         tok = build_tokenizer()
         cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864,
@@ -67,7 +80,7 @@ def synthetic_batch(args, vocab: int, rank: int):
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", choices=["tiny", "0.5b"], default="tiny")
+    p.add_argument("--model", choices=["tiny", "24m", "0.5b"], default="tiny")
     p.add_argument("--seqs", type=int, default=64, help="sequences per update, all ranks")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--completion-len", type=int, default=16)

@@ -1,7 +1,8 @@
 """One vLLM engine per generator: construction under the process-group rule, sampling with the
 sampled tokens' logprobs, and weight loads.
 
-Process-group rule (DESIGN.md): the generator process never joins a world-wide default group.
+Process-group rule (docs/generator.md): the generator process never joins a world-wide default
+group.
 With tp = 1 the engine runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, fastest here); its
 private one-rank world must not pick up torchrun's agent store, so
 `TORCHELASTIC_USE_AGENT_STORE` is removed first. With tp > 1 every tp rank of the engine is its
@@ -165,15 +166,15 @@ class Engine:
         top_p = 1 and top_k disabled, so the returned logprobs are those of the plain
         temperature-scaled softmax, which is what the trainer recomputes.
 
-        Randomness: the sampler's generator is seeded with `seed` (sampler_seed below) and no
-        request carries a seed of its own. Each decode step draws one noise tensor for every
-        running sequence, so every sample of the call reads its own draws (no two samples, of
-        one prompt or of two, share them), and the call is a deterministic function of `seed`,
-        the weights and the prompts (the prefix cache is emptied first, so nothing left by
-        earlier calls changes the engine's schedule). Per-request seeds (SamplingParams(n, seed)) gave child i
-        of every prompt the same stream (correlated samples across prompts), and on CPU they
-        crash as soon as vLLM preempts a request or chunks a prefill: it rewinds the request's
-        generator with set_offset, which CPU generators do not have.
+        Randomness (docs/generator.md): the sampler's generator is seeded with `seed`
+        (sampler_seed above) and no request carries a seed of its own. Each decode step draws
+        one noise tensor for every running sequence, so every sample of the call reads its own
+        draws (no two samples, of one prompt or of two, share them). The prefix cache is
+        emptied first, so the engine's schedule depends on this call alone, and the call is a
+        deterministic function of `seed`, the weights and the prompts. vLLM's per-request
+        seeds (SamplingParams(n, seed)) gave child i of every prompt the same stream, and on
+        CPU they crash once vLLM preempts a request or chunks a prefill (it rewinds the
+        request's generator with set_offset, which CPU generators do not have).
         """
         from vllm import SamplingParams, TokensPrompt
 

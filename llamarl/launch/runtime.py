@@ -3,7 +3,7 @@ watchdog, and descriptions of the cross-role groups.
 
 The store: under torchrun every rank is a client of the agent's store at MASTER_ADDR:MASTER_PORT
 (the store torchrun itself uses; keys live under `llamarl/<restart>/`). Under Slurm or a plain
-environment, global rank 0 hosts it there. No `tcp://` rendezvous is used (DESIGN.md).
+environment, global rank 0 hosts it there. No `tcp://` rendezvous is used (docs/generator.md).
 """
 
 from __future__ import annotations

@@ -1,0 +1,331 @@
+"""llamarl against a single-process trainer (TRL's GRPOTrainer, plain Hugging Face generate) on
+the same model, prompts, reward and hyper-parameters, one run after the other on this machine.
+
+    python bench/peer_trl.py                       # both workloads, 3 seeds of the tiny one
+    python bench/peer_trl.py --workload tiny --seeds 0 1 2 3
+    python bench/peer_trl.py --workload gen        # the generation-heavy one only
+
+Workload `tiny` (learning speed): the default recipe (recipes/tiny_grpo_cpu.yaml: the warm-started
+tiny Qwen2, string reversal, 64 prompts x 8 samples, lr 1e-3 with 2 warm-up steps, AdamW, grad clip
+1, token-mean loss, PPO clip 0.2 against the behaviour policy, no KL) for --steps steps, held-out
+reward (128 prompts never trained on x 4 samples at T = 1) every --eval-every steps, for:
+  * llamarl on-policy (the default recipe as `make run` runs it),
+  * llamarl's recommended recipe for a small machine (--recommended, default
+    recipes/tiny_grpo_async_cpu.yaml: 1 trainer + 1 engine, one step off-policy with AIPO),
+  * TRL GRPOTrainer with the same settings (loss_type dapo = token mean over the batch,
+    scale_rewards group, beta 0, epsilon 0.2, one optimizer step per 64 x 8 batch).
+Per run: median step time, training time (step times summed, evaluations excluded; with them
+in brackets) and steps to held-out reward 0.6 and 0.7. Medians over seeds, and the ratios.
+
+Workload `gen` (generation-heavy): a 24M-parameter Qwen2 built in code (hidden 512, 8 layers,
+8 heads, 2 KV heads, intermediate 1536) with a 512-symbol vocabulary (a random policy then
+rarely samples EOS, so responses run to 64-128 tokens), 16 prompts x 8 samples of up to 128
+tokens per step. Reports generated tokens/s, trained tokens/s and step time for both trainers.
+
+TRL is a bench dependency only (`make bench` installs it), never a runtime one. Results go to
+--out (JSON) and are printed as a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+DEFAULT = "recipes/tiny_grpo_cpu.yaml"
+THRESHOLDS = (0.6, 0.7)
+
+
+# ---------------------------------------------------------------------------------- llamarl
+def run_llamarl(recipe: str, out: Path, overrides: list[str], env: dict) -> Path:
+    """One run through the real launcher; returns its run directory."""
+    from llamarl.config import load_config
+
+    cfg = load_config(ROOT / recipe, overrides)
+    n = cfg.trainer.ranks + cfg.generator.engines * cfg.generator.tp
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+           "-m", "llamarl.launch", recipe, f"run.output_dir={out}", *overrides]
+    with open(out / "launch.log", "w") as log:
+        subprocess.run(cmd, cwd=ROOT, check=True, stdout=log, stderr=log, env=env)
+    (run,) = [p for p in out.iterdir() if p.is_dir()]
+    return run
+
+
+def llamarl_summary(run: Path) -> dict:
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
+    step_s = {r["step"]: r["step_time_s"] for r in rows}
+    eval_s = {e["step"]: e["eval_s"] for e in evals}
+    curve = [(e["step"], e["reward_mean"]) for e in evals]
+    # The engine evaluates right after loading the weights of step s, before it samples batch
+    # s + 1: on-policy that time sits in the trainer's wait for batch s + 1.
+    def train_time(upto: int, with_evals: bool) -> float:
+        t = sum(v for k, v in step_s.items() if k <= upto)
+        return t if with_evals else t - sum(v for k, v in eval_s.items() if 0 < k < upto)
+    return summary(curve, train_time, list(step_s.values()),
+                   gen_tok_s=statistics.median(r["tokens_generated"] / r["generate_s"]
+                                               for r in rows if r.get("generate_s")))
+
+
+# -------------------------------------------------------------------------------------- TRL
+def run_trl(model_dir: str, seed: int, steps: int, eval_every: int, prompts: int, samples: int,
+            max_new_tokens: int, lr: float, warmup: int, out: Path, data_cfg=None) -> dict:
+    """TRL's GRPOTrainer in this process (HF generate), evaluated like llamarl's Evaluator."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from llamarl.config import DataConfig
+    from llamarl.data.dataset import load_prompt_data
+    from llamarl.data.prompts import PromptFormatter
+    from llamarl.tiny.task import reverse_reward
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    data = load_prompt_data(data_cfg or DataConfig(), seed)
+    fmt = PromptFormatter(tok)
+    bos = tok.bos_token
+    train = Dataset.from_list([{"prompt": bos + ex.prompt, "answer": ex.answer}
+                               for ex in data.train])
+    # TRL tokenises the text; it must give exactly llamarl's prompt ids (BOS + characters)
+    ex = data.train[0]
+    assert tok(bos + ex.prompt)["input_ids"] == fmt.encode([ex])[0].token_ids
+    held = data.held_out
+
+    def reward(completions, answer, **_):
+        return [reverse_reward(c, a) for c, a in zip(completions, answer)]
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    gen_time = [0.0, 0]  # seconds in model.generate, tokens generated
+
+    generate = model.generate
+
+    def timed_generate(*args, **kwargs):
+        t0 = time.perf_counter()
+        res = generate(*args, **kwargs)
+        gen_time[0] += time.perf_counter() - t0
+        seqs = res if torch.is_tensor(res) else res.sequences
+        prompt_len = (kwargs.get("input_ids") if "input_ids" in kwargs else args[0]).shape[1]
+        new = seqs[:, prompt_len:]
+        gen_time[1] += int(((new != tok.pad_token_id) & (new != -100)).sum())
+        return res
+
+    model.generate = timed_generate
+    micro = min(64, prompts * samples)
+    config = GRPOConfig(
+        output_dir=str(out), seed=seed, max_steps=steps, learning_rate=lr,
+        lr_scheduler_type="constant_with_warmup", warmup_steps=warmup, weight_decay=0.0,
+        adam_beta1=0.9, adam_beta2=0.999, max_grad_norm=1.0,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=prompts * samples // micro,
+        num_generations=samples, max_completion_length=max_new_tokens, temperature=1.0,
+        top_p=1.0, top_k=0, beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group",
+        num_iterations=1, use_cpu=True, bf16=False, fp16=False, logging_steps=1,
+        report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
+
+    class Clock(TrainerCallback):
+        """Step times (evaluations excluded) and the held-out curve."""
+
+        def __init__(self):
+            self.last, self.step_s, self.eval_s, self.curve = None, [], {}, []
+            self.gen = []
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.evaluate(0)
+            self.last = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.step_s.append(time.perf_counter() - self.last)
+            self.gen.append(tuple(gen_time))
+            if eval_every and (state.global_step % eval_every == 0 or state.global_step == steps):
+                self.evaluate(state.global_step)
+            self.last = time.perf_counter()
+
+        @torch.no_grad()
+        def evaluate(self, step):
+            t0 = time.perf_counter()
+            was = model.training
+            model.eval()
+            ids = fmt.encode(held)
+            width = max(len(p.token_ids) for p in ids)
+            inp = torch.tensor([[tok.pad_token_id] * (width - len(p.token_ids)) + p.token_ids
+                                for p in ids])
+            mask = (torch.arange(width)[None] >= width - torch.tensor(
+                [len(p.token_ids) for p in ids])[:, None]).long()
+            torch.manual_seed(7919 + step)
+            out = generate(input_ids=inp, attention_mask=mask, do_sample=True, temperature=1.0,
+                           top_p=1.0, top_k=0, max_new_tokens=max_new_tokens,
+                           num_return_sequences=4, pad_token_id=tok.pad_token_id)
+            texts = tok.batch_decode(out[:, width:], skip_special_tokens=True)
+            r = [reverse_reward(t, held[i // 4].answer) for i, t in enumerate(texts)]
+            self.curve.append((step, sum(r) / len(r)))
+            self.eval_s[step] = time.perf_counter() - t0
+            model.train(was)
+
+    clock = Clock()
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=train,
+                          processing_class=tok, callbacks=[clock])
+    trainer.train()
+
+    def train_time(upto: int, with_evals: bool) -> float:
+        t = sum(clock.step_s[:upto])
+        return t + sum(v for k, v in clock.eval_s.items() if 0 < k < upto) if with_evals else t
+    gens = [b[0] - a[0] for a, b in zip([(0.0, 0)] + clock.gen, clock.gen)]
+    toks = [b[1] - a[1] for a, b in zip([(0.0, 0)] + clock.gen, clock.gen)]
+    return summary(clock.curve, train_time, clock.step_s,
+                   gen_tok_s=statistics.median(t / g for t, g in zip(toks, gens) if g))
+
+
+# ---------------------------------------------------------------------------------- shared
+def summary(curve, train_time, step_s, **extra) -> dict:
+    """Steps and training time to each threshold (first eval at or above it), the curve."""
+    out = {"median_step_s": statistics.median(step_s[1:] or step_s), "steps": len(step_s),
+           "curve": curve, "final": curve[-1][1], **extra}
+    for th in THRESHOLDS:
+        hit = next((s for s, r in curve if r >= th), None)
+        out[f"steps_to_{th}"] = hit
+        out[f"time_to_{th}"] = None if hit is None else round(train_time(hit, False), 2)
+        out[f"time_to_{th}_with_evals"] = None if hit is None else round(train_time(hit, True), 2)
+    return out
+
+
+def med(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def fmt(x, nd=2):
+    return "-" if x is None else f"{x:.{nd}f}" if isinstance(x, float) else str(x)
+
+
+def tiny_workload(args, env) -> dict:
+    from llamarl.config import load_config
+    from llamarl.tiny.warmstart import warm_start_dir
+
+    results = {"llamarl": [], "recommended": [], "trl": []}
+    common = [f"run.steps={args.steps}", f"run.eval_every={args.eval_every}"]
+    for seed in args.seeds:
+        with tempfile.TemporaryDirectory() as tmp:
+            tmp = Path(tmp)
+            for name, recipe in (("llamarl", DEFAULT), ("recommended", args.recommended)):
+                if name == "recommended" and not recipe:
+                    continue
+                t0 = time.time()
+                run = run_llamarl(recipe, tmp / name, [*common, f"run.seed={seed}"], env)
+                results[name].append(llamarl_summary(run))
+                print(f"seed {seed} {name}: {time.time() - t0:.0f} s wall, "
+                      f"{json.dumps({k: v for k, v in results[name][-1].items() if k != 'curve'})}",
+                      flush=True)
+            cfg = load_config(ROOT / DEFAULT, [])
+            g = cfg.generator
+            t0 = time.time()
+            results["trl"].append(run_trl(
+                str(warm_start_dir("reverse")), seed, args.steps, args.eval_every,
+                g.prompts_per_step, g.samples_per_prompt, g.max_new_tokens, cfg.trainer.lr,
+                cfg.trainer.warmup_steps, tmp / "trl"))
+            print(f"seed {seed} trl: {time.time() - t0:.0f} s wall, "
+                  f"{json.dumps({k: v for k, v in results['trl'][-1].items() if k != 'curve'})}",
+                  flush=True)
+    table = {}
+    for name, runs in results.items():
+        if not runs:
+            continue
+        table[name] = {k: med([r[k] for r in runs]) for k in runs[0] if k != "curve"}
+    return {"runs": results, "median": table}
+
+
+def build_gen_model(path: Path) -> str:
+    """The 24M Qwen2 with a 512-symbol character vocabulary (random init, saved once)."""
+    if (path / "config.json").is_file():
+        return str(path)
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from llamarl.tiny.model import SPECIAL, build_tokenizer, save_hf_dir
+    from llamarl.tiny.task import ALPHABET, SEPARATOR
+
+    base = list(ALPHABET) + [SEPARATOR, " "] + [str(d) for d in range(10)] + list("+-*")
+    extra = [chr(0x400 + i) for i in range(512 - len(SPECIAL) - len(base))]  # Cyrillic block
+    tok = build_tokenizer(base + extra)
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=512, intermediate_size=1536,
+                         num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                         max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=0, torch_dtype="float32")
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    save_hf_dir(path, model.state_dict(), config, tok)
+    return str(path)
+
+
+def gen_workload(args, env) -> dict:
+    model = build_gen_model(Path(tempfile.gettempdir()) / "llamarl-bench-gen24m")
+    prompts, samples, new = 16, 8, 128
+    overrides = [f"model.path={model}", f"run.steps={args.gen_steps}", "run.eval_every=0",
+                 "data.eval_prompts=8", f"generator.prompts_per_step={prompts}",
+                 f"generator.max_new_tokens={new}", "generator.max_model_len=160",
+                 "trainer.micro_batch_size=32", "trainer.lr=1e-5"]
+    with tempfile.TemporaryDirectory() as tmp:
+        run = run_llamarl(DEFAULT, Path(tmp) / "llamarl", overrides, env)
+        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()][1:]
+        ours = {"median_step_s": med([r["step_time_s"] for r in rows]),
+                "gen_tok_s": med([r["tokens_generated"] / r["generate_s"] for r in rows]),
+                "train_tok_s": med([r["tokens_generated"] / r["train_s"] for r in rows]),
+                "tokens_per_step": med([r["tokens_generated"] for r in rows])}
+        print(f"gen llamarl: {json.dumps(ours)}", flush=True)
+        from llamarl.config import DataConfig
+        trl = run_trl(model, 0, args.gen_steps, 0, prompts, samples, new, 1e-5, 0,
+                      Path(tmp) / "trl", DataConfig(eval_prompts=8))
+        trl.pop("curve", None)
+        print(f"gen trl: {json.dumps(trl)}", flush=True)
+    return {"llamarl": ours, "trl": trl, "model": "Qwen2 24M, vocab 512",
+            "batch": f"{prompts} prompts x {samples} samples, up to {new} new tokens"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workload", choices=("tiny", "gen", "both"), default="both")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--gen-steps", type=int, default=3)
+    ap.add_argument("--recommended", default="recipes/tiny_grpo_async_cpu.yaml",
+                    help="llamarl's recommended recipe ('' to skip)")
+    ap.add_argument("--out", default=str(ROOT / "bench/results/peer_trl.json"))
+    args = ap.parse_args()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    result = {"machine": f"{os.cpu_count()} cores", "args": vars(args)}
+    if args.workload in ("tiny", "both"):
+        result["tiny"] = tiny_workload(args, env)
+        t = result["tiny"]["median"]
+        print("\n| run | median step s | steps to 0.6 | train s to 0.6 (with evals) | steps to 0.7 "
+              "| train s to 0.7 | final | gen tok/s |\n|---|---|---|---|---|---|---|---|")
+        for name, r in t.items():
+            print(f"| {name} | {fmt(r['median_step_s'], 3)} | {fmt(r['steps_to_0.6'])} | "
+                  f"{fmt(r['time_to_0.6'], 1)} ({fmt(r['time_to_0.6_with_evals'], 1)}) | "
+                  f"{fmt(r['steps_to_0.7'])} | {fmt(r['time_to_0.7'], 1)} | "
+                  f"{fmt(r['final'], 3)} | {fmt(r['gen_tok_s'], 0)} |")
+        if "trl" in t:
+            for name in ("llamarl", "recommended"):
+                for th in THRESHOLDS:
+                    a, b = t.get(name, {}).get(f"time_to_{th}"), t["trl"][f"time_to_{th}"]
+                    if a and b:
+                        print(f"{name} / TRL training time to {th}: {a / b:.2f}x")
+    if args.workload in ("gen", "both"):
+        result["gen"] = gen_workload(args, env)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"results: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
