@@ -28,6 +28,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+# Randomly initialised architectures (the tiny one is llamarl.tiny.model's).
+SIZES = {
+    "24m": dict(hidden_size=512, intermediate_size=1536,  # the tiny tokenizer's vocabulary
+                num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                max_position_embeddings=256),
+    "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                 num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 max_position_embeddings=4096),
+}
+
 
 def build_model_dir(kind: str) -> str:
     """A randomly initialised HF directory: the tiny model, the 24M Qwen2 of the KV-preemption
@@ -42,20 +52,9 @@ def build_model_dir(kind: str) -> str:
         return str(path)
     if kind == "tiny":
         model, tok = build_model(0)
-    elif kind == "24m":
-        tok = build_tokenizer()
-        cfg = Qwen2Config(vocab_size=len(tok), hidden_size=512, intermediate_size=1536,
-                          num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
-                          max_position_embeddings=256, tie_word_embeddings=True,
-                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                          pad_token_id=tok.pad_token_id)
-        torch.manual_seed(0)
-        model = Qwen2ForCausalLM(cfg)
     else:
         tok = build_tokenizer()
-        cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                          num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                          max_position_embeddings=4096, tie_word_embeddings=True,
+        cfg = Qwen2Config(**{"vocab_size": len(tok), **SIZES[kind]}, tie_word_embeddings=True,
                           bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                           pad_token_id=tok.pad_token_id)
         torch.manual_seed(0)
