@@ -108,13 +108,13 @@ def test_overlapping_roles_share_the_cores_and_explicit_counts_win():
 
 @pytest.mark.slow
 def test_run_with_a_kv_cache_smaller_than_a_batch_completes(tmp_path, cache_dir):
-    """The default recipe with a cache that holds 80 of a batch's 512 sequences."""
+    """The default recipe with a cache that holds 81 of a batch's 512 sequences."""
     proc = torchrun(3, ["-m", "llamarl.launch", RECIPE, "run.steps=2", "run.eval_every=0",
                         f"run.output_dir={tmp_path}", "data.eval_prompts=16",
                         "generator.kv_cache_gib=0.01"], timeout=600, LLAMARL_CACHE=cache_dir)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stderr.splitlines() if "KV cache 0.01 GiB" in x)
-    assert "holds 80 of them" in line and "generator.kv_cache_gib=0.07" in line, line
+    assert "holds 81 of them" in line and "generator.kv_cache_gib=0.07" in line, line
 
 
 @pytest.mark.slow
