@@ -21,7 +21,14 @@ import torch
 
 from llamarl.config import GeneratorConfig
 from llamarl.generator.cpu_fixes import disable_onednn_prepack
-from llamarl.generator.kv_cache import DEFAULT_BLOCK, KVPlan, kv_bytes_per_token, plan_kv_cache
+from llamarl.generator.kv_cache import (
+    DEFAULT_BLOCK,
+    GIB,
+    KVPlan,
+    kv_bytes_per_token,
+    plan_kv_cache,
+    sequence_bytes,
+)
 
 WORKER_EXTENSION = "llamarl.generator.worker_ext.LlamarlWorkerExtension"
 
@@ -43,7 +50,9 @@ def sampler_seed(run_seed: int, purpose: str, step: int, engine: int, round_: in
 
 
 def _first_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+    """`Type: first line of the message` (vLLM's errors run to pages)."""
+    lines = str(e).strip().splitlines() or [""]
+    return f"{type(e).__name__}: {lines[0][:300]}"
 
 
 @dataclass(frozen=True)
@@ -134,17 +143,18 @@ class Engine:
         blocks = getattr(self.llm.llm_engine.vllm_config.cache_config, "num_gpu_blocks", None)
         if not blocks:
             return None
-        seq = -(-self.cfg.max_model_len // self.block_size) * self.block_size
-        seq_bytes = seq * self.bytes_per_token
+        seq_bytes = self._sequence_bytes()
         return KVPlan(blocks * self.block_size * self.bytes_per_token,
                       self.sequences * seq_bytes, seq_bytes, self.sequences,
                       self.cfg.max_model_len, self.bytes_per_token, auto=False, gpu=True)
 
+    def _sequence_bytes(self) -> int:
+        return sequence_bytes(self.cfg.max_model_len, self.block_size, self.bytes_per_token)
+
     def _meaning(self, e: BaseException) -> str:
         """What an error escaping vLLM means for the user, in the recipe's terms."""
         text = str(e).lower()
-        need = self.sequences * -(-self.cfg.max_model_len // self.block_size) \
-            * self.block_size * self.bytes_per_token / (1 << 30)
+        need = self.sequences * self._sequence_bytes() / GIB
         key = ("generator.kv_cache_gib" if self.kv is None or not self.kv.gpu
                else "generator.gpu_memory_utilization")
         if "does not use offset" in text:

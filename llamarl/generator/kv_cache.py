@@ -43,6 +43,11 @@ def kv_bytes_per_token(model_path: str | Path, dtype: str, tp: int = 1) -> int:
     return 2 * cfg["num_hidden_layers"] * math.ceil(kv_heads / tp) * head_dim * DTYPE_BYTES[dtype]
 
 
+def sequence_bytes(max_model_len: int, block: int, bytes_per_token: int) -> int:
+    """KV bytes of one sequence at full length: whole blocks of `block` tokens."""
+    return math.ceil(max_model_len / block) * block * bytes_per_token
+
+
 def available_memory_bytes() -> int:
     """MemAvailable of this host (Linux), else the physical memory."""
     try:
@@ -93,7 +98,7 @@ def plan_kv_cache(bytes_per_token: int, sequences: int, max_model_len: int, bloc
     """Size the CPU KV cache (kv_cache_gib = 0: from the workload) and check it can work.
 
     Raises ValueError when not even one sequence of max_model_len tokens fits."""
-    seq_bytes = math.ceil(max_model_len / block) * block * bytes_per_token
+    seq_bytes = sequence_bytes(max_model_len, block, bytes_per_token)
     need = sequences * seq_bytes
     if kv_cache_gib > 0:
         cache = int(kv_cache_gib * GIB)

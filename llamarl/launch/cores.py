@@ -30,11 +30,11 @@ def host_cores() -> int:
         return os.cpu_count() or 1
 
 
-def local_ranks(layout: Layout, rank: int, role: str) -> int:
-    """Ranks of `role` on the node of global rank `rank`."""
+def local_ranks(layout: Layout, rank: int, role: str | None = None) -> int:
+    """Ranks of `role` (None: of any role) on the node of global rank `rank`."""
     node = layout.node_of(rank)
     return sum(1 for r in range(layout.world_size)
-               if layout.node_of(r) == node and layout.role_of(r).role == role)
+               if layout.node_of(r) == node and role in (None, layout.role_of(r).role))
 
 
 def threads_for(cfg: Config, layout: Layout, rank: int, cores: int | None = None) -> int:
@@ -46,6 +46,4 @@ def threads_for(cfg: Config, layout: Layout, rank: int, cores: int | None = None
     cores = host_cores() if cores is None else cores
     if cfg.sync.max_staleness == 0:
         return max(1, cores // local_ranks(layout, rank, role))
-    node = layout.node_of(rank)
-    on_node = sum(1 for r in range(layout.world_size) if layout.node_of(r) == node)
-    return max(1, cores // on_node)
+    return max(1, cores // local_ranks(layout, rank))
