@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 
 from llamarl.config import load_config
 from llamarl.launch.dist_env import from_environ
 from llamarl.launch.layout import compute_layout
+
+SILENT_RANK_GRACE_S = 3.0
 
 USAGE = ("usage: torchrun --nproc-per-node N -m llamarl.launch RECIPE.yaml [key=value ...]\n"
          "   or: python -m llamarl.launch RECIPE.yaml [key=value ...]   (starts torchrun itself)\n"
@@ -54,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         if env is None or env.local_rank == 0:
             print(f"llamarl: error: {e}", file=sys.stderr, flush=True)
+        else:
+            # Every rank finds the same error; local rank 0 alone says it. torchrun kills the
+            # survivors within its 0.1 s monitor interval once any rank exits, so the silent
+            # ranks linger long enough for rank 0's line to get out first.
+            time.sleep(SILENT_RANK_GRACE_S)
         return 2
 
     from llamarl.launch.runtime import setup  # heavy imports start here
