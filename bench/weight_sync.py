@@ -206,7 +206,8 @@ def trainer(rt, args) -> None:
 
 def generator(rt, args) -> None:
     from llamarl.generator.engine import Engine
-    from llamarl.generator.loop import WeightFollower, join_weight_groups
+    from llamarl.generator.loop import join_weight_groups
+    from llamarl.generator.weights import WeightFollower
     from llamarl.timeline import Timeline
 
     engine = Engine(rt.wait_key("bench/model"), rt.cfg.generator, "float32", seed=0,

@@ -44,7 +44,9 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    task: str = "reverse"  # embedded synthetic task (llamarl/tiny/task.py), used when path = ""
+    # embedded synthetic task, used when path = "": "reverse" (llamarl/tiny/task.py) or
+    # "lookup" (multi-turn with a tool, llamarl/tiny/lookup.py)
+    task: str = "reverse"
     # Training prompts from a local file (llamarl/data/): *.jsonl, *.parquet, or a directory
     # written by datasets' save_to_disk. "" = the synthetic task.
     path: str = ""
@@ -194,6 +196,32 @@ class RewardConfig:
 
 
 @dataclass
+class RolloutConfig:
+    # Where samples come from (llamarl/rollout/): "single_turn" (one completion per prompt,
+    # scored by reward.*), "multi_turn" (episodes of rollout.env, tool calls between turns),
+    # or "module:Class", a RolloutSource of your own.
+    source: str = "single_turn"
+    # multi_turn: the environment, "module:Class" (an llamarl.rollout.Environment), or a
+    # built-in: "lookup" (the tiny tool task), "calculator" (GSM8K with a calculator tool).
+    env: str = ""
+    # How tool calls are written in the model's output (llamarl/rollout/tool_calls.py):
+    # "hermes" (<tool_call>{"name": ..., "arguments": {...}}</tool_call>, Qwen2.5 and most
+    # chat models) or "compact" (a turn "*name arg", or "*arg" for an environment with one
+    # tool: small character-level models).
+    tool_format: str = "hermes"
+    max_turns: int = 4  # assistant turns per episode
+    # Tokens per episode, prompt and observations included (the context); 0 = max_model_len.
+    # A turn gets min(generator.max_new_tokens, what is left) new tokens.
+    max_tokens: int = 0
+    timeout_s: float = 10.0  # per environment call (start, one turn's tools, the reward)
+    # An environment call that raises, times out or returns garbage: "stop" ends the run
+    # naming it; "zero" ends that episode with reward 0 (finish reason env_error), counted.
+    on_error: str = "stop"
+    workers: int = 2  # environment worker processes per engine
+    threads_per_worker: int = 16  # concurrent calls per worker (tools that wait overlap)
+
+
+@dataclass
 class SyncConfig:
     every: int = 1  # broadcast weights every N optimizer steps
     max_staleness: int = 0  # 0 = strictly on-policy
@@ -226,6 +254,7 @@ class Config:
     critic: CriticConfig = field(default_factory=CriticConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     buffer: BufferConfig = field(default_factory=BufferConfig)
 
@@ -250,6 +279,8 @@ _CHOICES = {
     "data.on_bad_row": ("skip", "raise"),
     "reward.on_error": ("stop", "zero"),
     "reward.model_placement": ("generator", "trainer"),
+    "rollout.tool_format": ("hermes", "compact"),
+    "rollout.on_error": ("stop", "zero"),
 }
 
 
@@ -336,6 +367,7 @@ def validate(cfg: Config) -> Config:
         _fail("algorithm.icepop_low/high", [cfg.algorithm.icepop_low, cfg.algorithm.icepop_high],
               "need 0 < icepop_low < 1 < icepop_high")
     _validate_reward(cfg)
+    _validate_rollout(cfg)
     if cfg.generator.tp > 1:
         _fail("generator.tp", cfg.generator.tp,
               "tensor-parallel engines are laid out (llamarl/launch/layout.py) but their SPMD "
@@ -361,9 +393,10 @@ def _validate_data(data: DataConfig) -> None:
     in the rows is checked when the generators read the data.)"""
     from llamarl.data.sources import detect_format  # pathlib only: no heavy import
 
-    if not data.path and data.task != "reverse":
-        _fail("data.task", data.task, "the embedded task is 'reverse'; for other data set "
-              "data.path to a local .jsonl / .parquet file or save_to_disk directory")
+    if not data.path and data.task not in ("reverse", "lookup"):
+        _fail("data.task", data.task, "the embedded tasks are 'reverse' and 'lookup' (multi-"
+              "turn); for other data set data.path to a local .jsonl / .parquet file or "
+              "save_to_disk directory")
     if data.eval_path and not data.path:
         _fail("data.eval_path", data.eval_path,
               "needs data.path (the training data); the synthetic task has its own held-out set")
@@ -381,9 +414,39 @@ def _validate_data(data: DataConfig) -> None:
               "a system prompt needs the chat template: set data.chat_template=true")
 
 
+def _validate_rollout(cfg: Config) -> None:
+    ro, g = cfg.rollout, cfg.generator
+    if ro.source not in ("single_turn", "multi_turn") and (
+            ":" not in ro.source or ro.source.startswith(":") or ro.source.endswith(":")):
+        _fail("rollout.source", ro.source, "use single_turn, multi_turn or 'module:Class'")
+    if ro.source == "multi_turn":
+        if not ro.env:
+            _fail("rollout.env", ro.env, "name the environment of rollout.source=multi_turn: "
+                  "'module:Class', lookup or calculator")
+        if ro.env not in ("lookup", "calculator") and (":" not in ro.env or
+                                                        ro.env.startswith(":")):
+            _fail("rollout.env", ro.env, "use 'module:Class', lookup or calculator")
+        if g.dynamic_sampling:
+            _fail("generator.dynamic_sampling", g.dynamic_sampling,
+                  "is for rollout.source=single_turn for now: set it false")
+        if cfg.reward.functions or cfg.reward.model_path:
+            _fail("reward.functions", cfg.reward.functions,
+                  "multi-turn episodes are scored by the environment's reward(): set "
+                  "reward.functions=[] and no reward.model_path")
+    for key, value in {"rollout.max_turns": ro.max_turns, "rollout.timeout_s": ro.timeout_s,
+                       "rollout.workers": ro.workers,
+                       "rollout.threads_per_worker": ro.threads_per_worker}.items():
+        if not value > 0:
+            _fail(key, value, "must be > 0")
+    if not 0 <= ro.max_tokens <= g.max_model_len:
+        _fail("rollout.max_tokens", ro.max_tokens,
+              f"must be in [0, generator.max_model_len = {g.max_model_len}] (0 = "
+              "max_model_len)")
+
+
 def _validate_reward(cfg: Config) -> None:
     r, g = cfg.reward, cfg.generator
-    if not r.functions and not r.model_path:
+    if not r.functions and not r.model_path and cfg.rollout.source == "single_turn":
         _fail("reward.functions", r.functions,
               "name at least one reward function (or set reward.model_path)")
     if r.weights and len(r.weights) != len(r.functions):

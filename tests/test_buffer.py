@@ -54,11 +54,46 @@ def test_split_rejects_uneven():
         split_groups(make_batch(5, 2, seed=2), 2)
 
 
-def test_sequences_roundtrip():
-    batch = make_batch(2, 3, seed=3)
-    seqs = batch.sequences()
-    assert len(seqs) == 6
-    assert sum(len(c) for _, c, _ in seqs) == len(batch.completion_ids)
+def test_per_token_record_of_single_turn_samples():
+    batch = RolloutBatch.from_lists([[1, 2, 3], [1, 2, 3]], [[7, 8], []], [[-0.5, -0.25], []],
+                                    [1.0, 0.0], [5, 5], [True, False], 4, 2)
+    assert batch.token_ids.tolist() == [1, 2, 3, 7, 8, 1, 2, 3]
+    assert batch.loss_mask.tolist() == [0, 0, 0, 1, 1, 0, 0, 0]
+    assert batch.logprobs.tolist() == [0, 0, 0, -0.5, -0.25, 0, 0, 0]
+    assert batch.token_version.tolist() == [-1, -1, -1, 4, 4, -1, -1, -1]
+    assert batch.seq_lens.tolist() == [5, 3] and batch.prompt_lens.tolist() == [3, 3]
+    assert batch.sampled_tokens().tolist() == [2, 0]
+    assert batch.finished.tolist() == [True, False] and batch.turns.tolist() == [1, 1]
+    assert batch.policy_version.tolist() == [4, 4]
+    assert [r.tolist() for r in batch.rows()] == [[1, 2, 3, 7, 8], [1, 2, 3]]
+
+
+def test_select_and_slice_match_a_per_row_rebuild():
+    batch = make_batch(3, 4, seed=4)
+    rows = [7, 0, 11, 3]
+    sub = batch.select(torch.tensor(rows))
+    by_row = batch.rows()
+    assert [r.tolist() for r in sub.rows()] == [by_row[i].tolist() for i in rows]
+    assert sub.rewards.tolist() == batch.rewards[rows].tolist()
+    cut = batch.slice(2, 9)
+    assert same(cut, batch.select(torch.arange(2, 9)))
+    assert same(RolloutBatch.concat([batch.slice(0, 5), batch.slice(5, 12)]), batch)
+
+
+def test_multi_turn_sample_masks_observations_and_keeps_versions():
+    from llamarl.buffer.record import Sample
+
+    s = Sample(finish="max_turns")
+    s.add_context([1, 2])  # prompt
+    s.add_sampled([5, 6], [-0.1, -0.2], version=3)
+    s.add_context([9, 9, 9])  # tool output
+    s.add_sampled([7], [-0.3], version=4)
+    batch = RolloutBatch.from_samples([s], [1.0], [0], generator=1)
+    assert batch.loss_mask.tolist() == [0, 0, 1, 1, 0, 0, 0, 1]
+    assert batch.token_version.tolist() == [-1, -1, 3, 3, -1, -1, -1, 4]
+    assert batch.prompt_lens.tolist() == [2] and batch.turns.tolist() == [2]
+    assert batch.policy_version.tolist() == [3]  # the oldest sampled token
+    assert batch.finished.tolist() == [False]
 
 
 def _store(port: int, master: bool):

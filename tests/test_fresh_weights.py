@@ -16,7 +16,7 @@ import pytest
 import torch.distributed as dist
 
 from llamarl.config import load_config
-from llamarl.generator.loop import WeightFollower, fresh_version
+from llamarl.generator.weights import WeightFollower, fresh_version
 from llamarl.timeline import Timeline
 
 

@@ -56,7 +56,7 @@ def test_nan_loss_skips_steps_then_stops_the_run():
     trainer = PolicyTrainer(model, TrainerConfig(max_bad_steps=3), 10, 1, torch.device("cpu"))
     mb = [collate([([1, 4, 5], [6, 2], [])], tok.pad_token_id)]
 
-    def nan_loss(logp, batch, i, entropy):
+    def nan_loss(logp, batch, entropy):
         return (logp * batch.mask).sum() * math.nan, {}
 
     for _ in range(2):

@@ -46,7 +46,7 @@ def test_scores_the_policy_tokens_in_micro_batches(tiny_reward_model_dir):
     rm = unsharded(tiny_reward_model_dir, tok)
     assert rm.same_tokenizer
     batch = text_batch(tok)
-    rows = [p + c for p, c, _ in batch.sequences()]
+    rows = [r.tolist() for r in batch.rows()]
     assert rm.token_ids(batch) == rows  # the generated tokens, EOS included
     expected = hf_scores(tiny_reward_model_dir, rows)
     got = rm.score(batch, micro_batch_size=4)  # two micro-batches, rows of different widths
@@ -66,7 +66,7 @@ def test_eos_that_is_the_pad_id_is_scored_as_the_last_token(tmp_path):
     # would read the token before the EOS. The trainer placement reads the last real token.
     path = save_tiny_reward_model(tmp_path / "rm", pad_token_id=build_tokenizer().eos_token_id)
     batch = text_batch(build_tokenizer())
-    rows = [p + c for p, c, _ in batch.sequences()]
+    rows = [r.tolist() for r in batch.rows()]
     got = unsharded(path).score(batch, micro_batch_size=3).tolist()
     assert got == pytest.approx(hf_scores(path, rows, pool_last=True), abs=1e-5)
     assert got != pytest.approx(hf_scores(path, rows), abs=1e-3)
@@ -100,7 +100,7 @@ def test_two_rank_fsdp2_scores_equal_unsharded_scores(tmp_path, tiny_reward_mode
                 continue
             batch = RolloutBatch(**cols)
             expected = hf_scores(tiny_reward_model_dir,
-                                 [p + c for p, c, _ in batch.sequences()])
+                                 [r.tolist() for r in batch.rows()])
             assert sharded.tolist() == pytest.approx(expected, abs=1e-5), case
             assert rm.score(batch, 2).tolist() == pytest.approx(expected, abs=1e-5), case
             sizes.append(len(batch))

@@ -35,10 +35,11 @@ def pack(batch: RolloutBatch) -> tuple[dict, torch.Tensor]:
 
 
 def unpack(layout: dict, buf: torch.Tensor, info: dict) -> RolloutBatch:
-    """Columns copied out of `buf` (uint8), so the batch owns its memory."""
+    """Columns as views of `buf` (uint8, owned by the caller and never written again): the
+    receive's one copy is the one that filled `buf`."""
     cols = {}
     for key, (dtype, numel, off) in layout.items():
         dt = getattr(torch, dtype)
         nbytes = numel * torch.empty((), dtype=dt).element_size()
-        cols[key] = buf[off:off + nbytes].clone().view(dt) if numel else torch.empty(0, dtype=dt)
+        cols[key] = buf[off:off + nbytes].view(dt) if numel else torch.empty(0, dtype=dt)
     return RolloutBatch(**cols, info=info)

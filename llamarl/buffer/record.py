@@ -1,44 +1,103 @@
-"""Rollout records, stored columnar: a batch of B sequences is a handful of flat tensors.
+"""The rollout record: one token sequence per sample with per-token columns, stored columnar,
+so a batch of B samples is a handful of flat tensors.
 
-Per sequence i (shapes in brackets, L_p / L_c = total prompt / completion tokens in the batch):
+A sample is its whole sequence: the prompt, then every turn (what the policy sampled, and for
+multi-turn episodes the tool or environment output and template glue between turns). Per token
+(L = total tokens of the batch, samples concatenated in order):
 
-    prompt_ids       [L_p] int32   concatenated; prompt_lens [B] int32
-    completion_ids   [L_c] int32   concatenated; completion_lens [B] int32
-    logprobs         [L_c] float32 behaviour logprob of each sampled token, after temperature
-    rewards          [B]   float32 total (weighted) reward
-    group_ids        [B]   int64   samples of one prompt share a group id and travel together
-    finished         [B]   uint8   1 = ended with EOS, 0 = hit the length limit
-    policy_version   [B]   int64   version of the weights that generated the sample
-    generator        [B]   int32   engine index that made it
+    token_ids      [L] int32    the sequence exactly as the engine saw it
+    loss_mask      [L] uint8    1 on tokens the policy sampled, 0 on the prompt, observations
+                                and glue: the trainer's loss reads only the 1s
+    logprobs       [L] float32  behaviour logprob of a sampled token, after temperature (0
+                                where loss_mask is 0)
+    token_version  [L] int64    policy version that sampled the token (-1 where loss_mask is 0)
+
+Per sample [B]:
+
+    seq_lens       int32    tokens of the sample (sum = L)
+    prompt_lens    int32    tokens before the first sampled one (the first prompt)
+    rewards        float32  total (weighted) reward
+    group_ids      int64    samples of one prompt share a group id and travel together
+    finish         uint8    why the sample ended: FINISH_REASONS[code]
+    turns          int32    assistant turns (1 for single-turn sampling)
+    policy_version int64    oldest version among its sampled tokens (staleness is measured
+                            from it)
+    generator      int32    engine index that made it
 
 plus `info`, a small JSON-able dict of per-batch measurements (generation time, ...).
-Columnar layout means a batch crosses processes as a few memcpys, with no pickling.
+Columnar layout means a batch crosses processes as a few memcpys, with no pickling, and every
+operation below (select, split, pad) is index arithmetic on the flat tensors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from itertools import chain
 
 import torch
 
-_COLUMNS = {
-    "prompt_ids": torch.int32, "prompt_lens": torch.int32, "completion_ids": torch.int32,
-    "completion_lens": torch.int32, "logprobs": torch.float32, "rewards": torch.float32,
-    "group_ids": torch.int64, "finished": torch.uint8, "policy_version": torch.int64,
-    "generator": torch.int32,
-}
+# Finish reasons: "stop" = the policy ended with EOS (the last turn, for an episode);
+# "length" = a turn hit max_new_tokens; "max_turns" / "context" = an episode hit
+# max_turns / the total token budget; "env_error" = the environment or a tool failed and
+# env.on_error = zero ended the episode.
+FINISH_REASONS = ("length", "stop", "max_turns", "context", "env_error")
+FINISH_CODE = {name: code for code, name in enumerate(FINISH_REASONS)}
+
+TOKEN_COLUMNS = {"token_ids": torch.int32, "loss_mask": torch.uint8,
+                 "logprobs": torch.float32, "token_version": torch.int64}
+SAMPLE_COLUMNS = {"seq_lens": torch.int32, "prompt_lens": torch.int32,
+                  "rewards": torch.float32, "group_ids": torch.int64, "finish": torch.uint8,
+                  "turns": torch.int32, "policy_version": torch.int64,
+                  "generator": torch.int32}
+_COLUMNS = {**TOKEN_COLUMNS, **SAMPLE_COLUMNS}
+
+
+@dataclass
+class Sample:
+    """One sample under construction, appended segment by segment: the tokens, the sampled
+    tokens' logprobs, and per segment its length and the policy version that sampled it (-1:
+    context). Per-token columns are expanded from the segments in from_samples, so the engine's
+    outputs (lists) cross into tensors once, with no per-token Python work beyond the ids and
+    logprobs themselves."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # of the sampled tokens only
+    segments: list[int] = field(default_factory=list)  # tokens per segment
+    versions: list[int] = field(default_factory=list)  # per segment; -1 = not sampled
+    prompt_len: int = 0
+    turns: int = 0
+    finish: str = "length"  # a FINISH_REASONS name, set when the sample ends
+
+    def add_context(self, ids) -> None:
+        """Tokens the policy did not sample (prompt, observation, template glue)."""
+        self.token_ids.extend(ids)
+        self.segments.append(len(ids))
+        self.versions.append(-1)
+        if self.turns == 0:
+            self.prompt_len = len(self.token_ids)
+
+    def add_sampled(self, ids, logprobs, version: int) -> None:
+        """One assistant turn, exactly as the engine sampled it."""
+        assert len(ids) == len(logprobs), (len(ids), len(logprobs))
+        self.token_ids.extend(ids)
+        self.logprobs.extend(logprobs)
+        self.segments.append(len(ids))
+        self.versions.append(version)
+        self.turns += 1
 
 
 @dataclass
 class RolloutBatch:
-    prompt_ids: torch.Tensor
-    prompt_lens: torch.Tensor
-    completion_ids: torch.Tensor
-    completion_lens: torch.Tensor
+    token_ids: torch.Tensor
+    loss_mask: torch.Tensor
     logprobs: torch.Tensor
+    token_version: torch.Tensor
+    seq_lens: torch.Tensor
+    prompt_lens: torch.Tensor
     rewards: torch.Tensor
     group_ids: torch.Tensor
-    finished: torch.Tensor
+    finish: torch.Tensor
+    turns: torch.Tensor
     policy_version: torch.Tensor
     generator: torch.Tensor
     info: dict = field(default_factory=dict)
@@ -47,68 +106,101 @@ class RolloutBatch:
         for name, dtype in _COLUMNS.items():
             t = getattr(self, name)
             assert t.dtype == dtype and t.dim() == 1, (name, t.dtype, t.shape)
-        b = len(self.prompt_lens)
-        assert all(len(getattr(self, n)) == b for n in ("completion_lens", "rewards", "group_ids",
-                                                        "finished", "policy_version", "generator"))
-        assert int(self.prompt_lens.sum()) == len(self.prompt_ids)
-        assert int(self.completion_lens.sum()) == len(self.completion_ids) == len(self.logprobs)
+        b, n = len(self.seq_lens), len(self.token_ids)
+        assert all(len(getattr(self, c)) == b for c in SAMPLE_COLUMNS), "sample columns"
+        assert all(len(getattr(self, c)) == n for c in TOKEN_COLUMNS), "token columns"
+        assert int(self.seq_lens.sum()) == n, (int(self.seq_lens.sum()), n)
 
     def __len__(self) -> int:
-        return len(self.prompt_lens)
+        return len(self.seq_lens)
+
+    # -- building -------------------------------------------------------------------------
+    @classmethod
+    def from_samples(cls, samples: list[Sample], rewards: list[float], group_ids: list[int],
+                     generator: int, info: dict | None = None) -> RolloutBatch:
+        """The batch of finished `samples` (each with its FINISH_REASONS name in .finish)."""
+        def flat(name, dtype):
+            return torch.tensor(list(chain.from_iterable(getattr(s, name) for s in samples)),
+                                dtype=dtype)
+
+        ids = flat("token_ids", torch.int32)
+        versions = torch.repeat_interleave(flat("versions", torch.int64),
+                                           flat("segments", torch.int64), output_size=len(ids))
+        mask = versions >= 0
+        logprobs = torch.zeros(len(ids), dtype=torch.float32)
+        logprobs[mask] = flat("logprobs", torch.float32)
+        lens = torch.tensor([len(s.token_ids) for s in samples], dtype=torch.int32)
+        return cls(
+            token_ids=ids, loss_mask=mask.to(torch.uint8), logprobs=logprobs,
+            token_version=versions, seq_lens=lens,
+            prompt_lens=torch.tensor([s.prompt_len for s in samples], dtype=torch.int32),
+            rewards=torch.tensor(rewards, dtype=torch.float32),
+            group_ids=torch.tensor(group_ids, dtype=torch.int64),
+            finish=torch.tensor([FINISH_CODE[s.finish] for s in samples], dtype=torch.uint8),
+            turns=torch.tensor([s.turns for s in samples], dtype=torch.int32),
+            policy_version=_segment_min_sampled(versions, lens),
+            generator=torch.full((len(samples),), generator, dtype=torch.int32),
+            info=dict(info or {}))
 
     @classmethod
     def from_lists(cls, prompts: list[list[int]], completions: list[list[int]],
                    logprobs: list[list[float]], rewards: list[float], group_ids: list[int],
                    finished: list[bool], policy_version: int | list[int],
-                   generator: int | list[int], info: dict | None = None) -> RolloutBatch:
-        """Build from per-sequence lists; `policy_version` and `generator` are one value for
-        the whole batch or one per sequence."""
-        b = len(prompts)
+                   generator: int, info: dict | None = None) -> RolloutBatch:
+        """Single-turn samples (prompt, one completion) from per-sequence lists;
+        `policy_version` is one value for the batch or one per sequence."""
+        versions = ([policy_version] * len(prompts) if isinstance(policy_version, int)
+                    else policy_version)
+        samples = []
+        for p, c, lp, v, f in zip(prompts, completions, logprobs, versions, finished):
+            s = Sample(finish="stop" if f else "length")
+            s.add_context(p)
+            s.add_sampled(c, lp, v)
+            samples.append(s)
+        batch = cls.from_samples(samples, rewards, group_ids, generator, info)
+        batch.policy_version = torch.tensor(versions, dtype=torch.int64)  # empty completions too
+        return batch
 
-        def per_row(value, dtype):
-            if isinstance(value, int):
-                return torch.full((b,), value, dtype=dtype)
-            return torch.tensor(value, dtype=dtype)
-
-        def flat(rows, dtype):
-            return torch.tensor([x for r in rows for x in r], dtype=dtype)
-
-        return cls(
-            prompt_ids=flat(prompts, torch.int32),
-            prompt_lens=torch.tensor([len(p) for p in prompts], dtype=torch.int32),
-            completion_ids=flat(completions, torch.int32),
-            completion_lens=torch.tensor([len(c) for c in completions], dtype=torch.int32),
-            logprobs=flat(logprobs, torch.float32),
-            rewards=torch.tensor(rewards, dtype=torch.float32),
-            group_ids=torch.tensor(group_ids, dtype=torch.int64),
-            finished=torch.tensor(finished, dtype=torch.uint8),
-            policy_version=per_row(policy_version, torch.int64),
-            generator=per_row(generator, torch.int32),
-            info=dict(info or {}))
-
+    # -- reading --------------------------------------------------------------------------
     def columns(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in _COLUMNS}
 
-    def sequences(self) -> list[tuple[list[int], list[int], list[float]]]:
-        """Per sequence: (prompt ids, completion ids, behaviour logprobs) as lists."""
-        p_off = torch.cumsum(self.prompt_lens, 0).tolist()
-        c_off = torch.cumsum(self.completion_lens, 0).tolist()
-        out, p0, c0 = [], 0, 0
-        pid, cid = self.prompt_ids.tolist(), self.completion_ids.tolist()
-        lp = self.logprobs.tolist()
-        for p1, c1 in zip(p_off, c_off):
-            out.append((pid[p0:p1], cid[c0:c1], lp[c0:c1]))
-            p0, c0 = p1, c1
-        return out
+    def starts(self) -> torch.Tensor:
+        """[B] int64: offset of each sample's first token in the token columns."""
+        lens = self.seq_lens.long()
+        return torch.cumsum(lens, 0) - lens
 
-    def select(self, rows: list[int]) -> RolloutBatch:
-        """The sub-batch of sequences `rows`, in that order."""
-        seqs = self.sequences()
-        return RolloutBatch.from_lists(
-            [seqs[i][0] for i in rows], [seqs[i][1] for i in rows], [seqs[i][2] for i in rows],
-            self.rewards[rows].tolist(), self.group_ids[rows].tolist(),
-            [bool(x) for x in self.finished[rows].tolist()],
-            self.policy_version[rows].tolist(), self.generator[rows].tolist(), dict(self.info))
+    def sampled_tokens(self) -> torch.Tensor:
+        """[B] int64: tokens the policy sampled in each sample (the loss's tokens)."""
+        return _segment_sum(self.loss_mask.long(), self.seq_lens)
+
+    @property
+    def finished(self) -> torch.Tensor:
+        """[B] bool: ended by the policy (EOS), not by a limit."""
+        return self.finish == FINISH_CODE["stop"]
+
+    def rows(self) -> list[torch.Tensor]:
+        """Each sample's token ids, as views (for code that must see one sample at a time)."""
+        return list(self.token_ids.split(self.seq_lens.tolist()))
+
+    # -- re-shaping -----------------------------------------------------------------------
+    def select(self, rows: torch.Tensor) -> RolloutBatch:
+        """The sub-batch of samples `rows` ([k] int64 indices), in that order."""
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        lens = self.seq_lens.long()[rows]
+        tok = _gather_index(self.starts()[rows], lens)
+        cols = {n: getattr(self, n)[tok] for n in TOKEN_COLUMNS}
+        cols.update({n: getattr(self, n)[rows] for n in SAMPLE_COLUMNS})
+        return RolloutBatch(**cols, info=dict(self.info))
+
+    def slice(self, first: int, last: int) -> RolloutBatch:
+        """Samples first..last-1 as views (no copy)."""
+        starts = self.starts()
+        t0 = int(starts[first]) if first < len(self) else len(self.token_ids)
+        t1 = int(starts[last]) if last < len(self) else len(self.token_ids)
+        cols = {n: getattr(self, n)[t0:t1] for n in TOKEN_COLUMNS}
+        cols.update({n: getattr(self, n)[first:last] for n in SAMPLE_COLUMNS})
+        return RolloutBatch(**cols, info=dict(self.info))
 
     @staticmethod
     def concat(batches: list[RolloutBatch]) -> RolloutBatch:
@@ -119,13 +211,37 @@ class RolloutBatch:
 
 
 def split_groups(batch: RolloutBatch, parts: int) -> list[RolloutBatch]:
-    """Split into `parts` sub-batches of whole groups, as even as possible, groups in order."""
-    groups: dict[int, list[int]] = {}
-    for i, g in enumerate(batch.group_ids.tolist()):
-        groups.setdefault(g, []).append(i)
-    ordered = list(groups.values())
-    if len(ordered) % parts:
-        raise ValueError(f"{len(ordered)} groups do not split evenly over {parts} trainer ranks")
-    per = len(ordered) // parts
-    return [batch.select([i for grp in ordered[k * per:(k + 1) * per] for i in grp])
-            for k in range(parts)]
+    """Split into `parts` sub-batches of whole groups, as even as possible, groups in order.
+    A group's samples are contiguous (they are made together), so every part is a slice."""
+    gids, counts = torch.unique_consecutive(batch.group_ids, return_counts=True)
+    assert len(torch.unique(gids)) == len(gids), "a group's samples must be contiguous"
+    if len(gids) % parts:
+        raise ValueError(f"{len(gids)} groups do not split evenly over {parts} trainer ranks")
+    per = len(gids) // parts
+    bounds = [0] + torch.cumsum(counts, 0)[per - 1::per].tolist()
+    return [batch.slice(bounds[k], bounds[k + 1]) for k in range(parts)]
+
+
+def _gather_index(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """Token indices of samples starting at `starts` with lengths `lens`, concatenated."""
+    total = int(lens.sum())
+    out_starts = torch.cumsum(lens, 0) - lens
+    return torch.repeat_interleave(starts - out_starts, lens, output_size=total) \
+        + torch.arange(total)
+
+
+def _segment_sum(values: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    seg = torch.repeat_interleave(torch.arange(len(lens)), lens.long(), output_size=len(values))
+    return torch.zeros(len(lens), dtype=values.dtype).index_add_(0, seg, values)
+
+
+def _segment_min_sampled(versions: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """Per sample, the oldest version among its sampled tokens (-1 tokens are context);
+    a sample that sampled nothing gets 0."""
+    seg = torch.repeat_interleave(torch.arange(len(lens)), lens.long(),
+                                  output_size=len(versions))
+    big = torch.iinfo(torch.int64).max
+    keyed = torch.where(versions >= 0, versions, torch.full_like(versions, big))
+    out = torch.full((len(lens),), big, dtype=torch.int64).scatter_reduce_(
+        0, seg, keyed, reduce="amin")
+    return torch.where(out == big, torch.zeros_like(out), out)

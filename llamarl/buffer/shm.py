@@ -70,7 +70,8 @@ class ShmChannel(Channel):
         fd = os.open(path, os.O_RDONLY)
         try:
             with mmap.mmap(fd, desc["size"], prot=mmap.PROT_READ) as mm:
-                buf = torch.frombuffer(bytearray(mm), dtype=torch.uint8)  # one copy out
+                # the one copy out: the batch's columns are views of this buffer
+                buf = torch.frombuffer(bytearray(mm), dtype=torch.uint8)
         finally:
             os.close(fd)
             path.unlink(missing_ok=True)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from llamarl.config import DataConfig
 from llamarl.data.prompts import MISSING, BadRowError, lookup, row_to_example
 from llamarl.data.sources import BadRow, column_names, read_rows, row_label
+from llamarl.tiny import lookup as tiny_lookup
 from llamarl.tiny import task as tiny_task
 from llamarl.tiny.task import Example
 
@@ -61,11 +62,13 @@ class PromptData:
 def load_prompt_data(cfg: DataConfig, seed: int) -> PromptData:
     """Every engine calls this with the same arguments and gets the same result."""
     if not cfg.path:
-        if cfg.task != "reverse":
-            raise ValueError(f"data.task {cfg.task!r} is unknown: the embedded task is "
-                             "'reverse' (or set data.path to a dataset file)")
-        return PromptData(tiny_task.sample_examples(SYNTHETIC_TRAIN_POOL, "train", seed),
-                          tiny_task.sample_examples(cfg.eval_prompts, "eval", seed))
+        tasks = {"reverse": tiny_task, "lookup": tiny_lookup}
+        if cfg.task not in tasks:
+            raise ValueError(f"data.task {cfg.task!r} is unknown: the embedded tasks are "
+                             "'reverse' and 'lookup' (or set data.path to a dataset file)")
+        task = tasks[cfg.task]
+        return PromptData(task.sample_examples(SYNTHETIC_TRAIN_POOL, "train", seed),
+                          task.sample_examples(cfg.eval_prompts, "eval", seed))
     train, bad = read_examples(cfg.path, cfg.prompt_field, cfg.answer_field, cfg.on_bad_row)
     data = PromptData([], [], [bad])
     if cfg.eval_path:

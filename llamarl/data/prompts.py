@@ -15,7 +15,7 @@ write it themselves), so no BOS is ever doubled.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from llamarl.tiny.task import Example
 
@@ -25,6 +25,8 @@ class Prompt:
     token_ids: list[int]  # what the engine is given
     text: str  # the prompt field as written (passed to reward functions)
     answer: str  # the reference answer (passed to reward functions)
+    # the dataset row (multi-turn environments read it)
+    row: dict | None = field(default=None, compare=False, hash=False)
 
 
 class BadRowError(ValueError):
@@ -61,14 +63,14 @@ def row_to_example(row: dict, prompt_field: str, answer_field: str) -> Example:
     if not prompt.strip():
         raise BadRowError(f"prompt field {prompt_field!r} is empty")
     if not answer_field:
-        return Example(prompt=prompt, answer="")
+        return Example(prompt=prompt, answer="", row=row)
     answer = lookup(row, answer_field)
     if answer is MISSING or answer is None:
         raise BadRowError(f"no answer field {answer_field!r}")
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         raise BadRowError(f"answer field {answer_field!r} is a {type(answer).__name__}, "
                           "not a string or number")
-    return Example(prompt=prompt, answer=str(answer))
+    return Example(prompt=prompt, answer=str(answer), row=row)
 
 
 class PromptFormatter:
@@ -101,4 +103,5 @@ class PromptFormatter:
         ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
         bos = self.tokenizer.bos_token_id
         prefix = [bos] if bos is not None and not self.chat_template else []
-        return [Prompt(prefix + list(t), ex.prompt, ex.answer) for t, ex in zip(ids, examples)]
+        return [Prompt(prefix + list(t), ex.prompt, ex.answer, ex.row)
+                for t, ex in zip(ids, examples)]

@@ -41,6 +41,13 @@ class Completion:
     text: str
 
 
+def _completion(c) -> Completion:
+    """A vLLM CompletionOutput as token ids, the sampled tokens' logprobs and the text."""
+    ids = list(c.token_ids)
+    lps = [step[tok].logprob for tok, step in zip(ids, c.logprobs)]
+    return Completion(ids, lps, c.finish_reason or "length", c.text)
+
+
 def sampler_seed(run_seed: int, purpose: str, step: int, engine: int, round_: int = 0) -> int:
     """The sampler's seed for one generate call: a 63-bit hash of everything that names the
     call, so no two calls of a run (steps, engines, dynamic-sampling rounds, evaluations) and
@@ -188,16 +195,9 @@ class Engine:
         """
         from vllm import SamplingParams, TokensPrompt
 
-        # Every call starts from an empty prefix cache: KV computed with older weights is never
-        # reused, and the engine's schedule (which sequences run, are preempted, share a step),
-        # and so which noise each sample reads, depends on this call's inputs alone. A
-        # prompt's samples still share its prefix within the call.
-        if not self.llm.reset_prefix_cache():
-            raise RuntimeError("vLLM refused to reset its prefix cache (requests running?): "
-                               "generating now would reuse KV of the old weights")
+        self.begin(seed)
         params = SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0,
                                 max_tokens=max_tokens, logprobs=0)
-        self.worker.llamarl_seed_sampler(seed)
         try:
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                                         params, use_tqdm=False)
@@ -205,15 +205,48 @@ class Engine:
             raise RuntimeError(f"the vLLM engine failed generating {len(prompts)} prompts x {n} "
                                f"samples of up to {max_tokens} tokens: {self._meaning(e)} "
                                f"({_first_line(e)})") from e
-        groups = []
-        for out in outputs:
-            group = []
-            for c in out.outputs:
-                ids = list(c.token_ids)
-                lps = [step[tok].logprob for tok, step in zip(ids, c.logprobs)]
-                group.append(Completion(ids, lps, c.finish_reason or "length", c.text))
-            groups.append(group)
-        return groups
+        return [[_completion(c) for c in out.outputs] for out in outputs]
+
+    def begin(self, seed: int) -> None:
+        """Start a call (a generate, or a run of submit/step): empty the prefix cache and
+        seed the sampler with `seed` (see generate)."""
+        # Every call starts from an empty prefix cache: KV computed with older weights is never
+        # reused, and the engine's schedule (which sequences run, are preempted, share a step),
+        # and so which noise each sample reads, depends on this call's inputs alone. A
+        # prompt's samples still share its prefix within the call.
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache (requests running?): "
+                               "generating now would reuse KV of the old weights")
+        self.worker.llamarl_seed_sampler(seed)
+
+    # -- request by request (multi-turn episodes: a turn is submitted when its context is
+    # ready, while other episodes generate) ----------------------------------------------
+    def submit(self, request_id: str, prompt_ids: list[int], temperature: float,
+               max_tokens: int) -> None:
+        """Queue one sample of `prompt_ids`; step() returns it when it is done."""
+        from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(n=1, temperature=temperature, top_p=1.0, top_k=0,
+                                max_tokens=max_tokens, logprobs=0,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_ids),
+                                        params)
+
+    def step(self) -> list[tuple[str, Completion]]:
+        """One engine step; the requests that finished in it. Prefix caching stays on within
+        a call, so a turn reuses the KV of its episode's earlier tokens."""
+        try:
+            outputs = self.llm.llm_engine.step()
+        except Exception as e:
+            raise RuntimeError(f"the vLLM engine failed: {self._meaning(e)} "
+                               f"({_first_line(e)})") from e
+        return [(out.request_id, _completion(out.outputs[0])) for out in outputs
+                if out.finished]
+
+    @property
+    def busy(self) -> bool:
+        return self.llm.llm_engine.has_unfinished_requests()
 
     def join_weight_group(self, specs: list, metas_json: list[str], bucket_mb: int,
                           solo_mb: float | None = None) -> None:

@@ -8,8 +8,9 @@ Loop of engine e with max_staleness = k, V = version of the loaded weights:
         (sync.prefer_fresh, k >= 2: while batch b - 1 of this engine is still unconsumed,
          block on until V >= b - 1, the version the trainer publishes before taking it)
         stop once V reaches the trainer's final version
-        groups = engine.generate(next prompts of shard e, n samples each)     # policy V
-        rewards = scorer(groups)          # with dynamic sampling: repeat for the groups dropped
+        groups = source.collect(next prompts of shard e, n samples each)      # policy V
+            (rollout.source: single-turn sampling + reward.*, or multi-turn episodes of
+             rollout.env; with dynamic sampling: repeat for the groups dropped)
         split whole groups over the T trainer ranks; put()
             (each batch carries the prompt loader's state after it: the trainer saves the state
              of the last batch it trained on, and a resumed generator continues from there)
@@ -28,9 +29,7 @@ k then bounds only batches made while the buffer is empty, i.e. when generation 
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Callable
 
 from llamarl.buffer.channel import open_channel
 from llamarl.buffer.record import RolloutBatch, split_groups
@@ -38,14 +37,14 @@ from llamarl.data.dataset import PromptData, load_prompt_data
 from llamarl.data.loader import PromptLoader, shard
 from llamarl.data.prompts import PromptFormatter
 from llamarl.generator.engine import Engine, EngineWorld, sampler_seed
+from llamarl.generator.evaluate import Evaluator
+from llamarl.generator.weights import WeightFollower, fresh_version
 from llamarl.launch.cores import local_ranks, threads_for
 from llamarl.launch.runtime import Runtime, free_port, log
-from llamarl.parallel.weight_sync import announced_version, broadcast_announced
 from llamarl.rewards.dynamic_sampling import collect_groups
-from llamarl.rewards.scorer import RewardScorer, ScoredGroup, score_groups
+from llamarl.rewards.scorer import RewardScorer, ScoredGroup
+from llamarl.rollout.source import RolloutSource, SourceContext, build_source
 from llamarl.timeline import Timeline
-
-_WAIT_S = 1.0  # longest blind wait for an announcement: the watchdog is checked in between
 
 
 def _engine_world(rt: Runtime) -> EngineWorld | None:
@@ -76,11 +75,10 @@ def read_prompt_data(rt: Runtime) -> PromptData:
     return data
 
 
-def encode_prompts(rt: Runtime, data: PromptData, tokenizer, model_path: str):
+def encode_prompts(rt: Runtime, data: PromptData, fmt: PromptFormatter):
     """This engine's training-prompt loader (its shard of data.train) and its share of the
     held-out prompts, tokenised; checks that every prompt fits the engine's context."""
     cfg, e, engines = rt.cfg, rt.role.index, rt.layout.engines
-    fmt = PromptFormatter(tokenizer, cfg.data.chat_template, cfg.data.system_prompt, model_path)
     train = fmt.encode(shard(data.train, e, engines))
     held_out = fmt.encode(data.held_out[e::engines])
     check_lengths(train + held_out, cfg.generator.max_new_tokens, cfg.generator.max_model_len)
@@ -127,19 +125,24 @@ def run_generator(rt: Runtime) -> None:
 
     join_weight_groups(rt, engine)
 
-    loader, held_out = encode_prompts(rt, data, engine.tokenizer, model_path)
+    fmt = PromptFormatter(engine.tokenizer, cfg.data.chat_template, cfg.data.system_prompt,
+                          model_path)
+    loader, held_out = encode_prompts(rt, data, fmt)
     scorer = RewardScorer(cfg.reward, g.max_new_tokens, str(rt.device))
     rt.watchdog.cleanups.append(scorer.close)
     if cfg.reward.model_path and scorer.model is None and e == 0 and leader:
         log(rt, "the reward model scores on the trainer ranks (reward.model_placement="
                 "trainer): eval.jsonl holds the reward functions' held-out reward only")
-    evaluator = Evaluator(rt, engine, held_out, scorer)
+    timeline = Timeline(rt.run_dir, rt.role.rank, rt.role.name)
+    source = build_source(SourceContext(cfg, engine, engine.tokenizer, fmt, scorer, e,
+                                        timeline))
+    rt.watchdog.cleanups.append(source.close)
+    evaluator = Evaluator(rt, source, held_out)
     per_engine = g.prompts_per_step // rt.layout.engines
     channels = ([open_channel(rt, e, t, "producer") for t in range(rt.layout.trainer_ranks)]
                 if leader else [])
     rt.watchdog.cleanups.extend(ch.close for ch in channels)
 
-    timeline = Timeline(rt.run_dir, rt.role.rank, rt.role.name)
     evaluator.timeline = timeline
     weights = WeightFollower(rt, engine, evaluator, timeline)
     k, b = cfg.sync.max_staleness, rt.resume.get("step", 0)
@@ -162,7 +165,7 @@ def run_generator(rt: Runtime) -> None:
     try:
         while weights.follow(need=b - k, queued=queued, prefer=fresh_version(b, k, cfg.sync.every)
                              if prefer_fresh else None):
-            batch = sample_batch(rt, engine, loader.next, scorer, weights.version, b, timeline)
+            batch = sample_batch(rt, source, loader.next, weights.version, b)
             # the loader's position right after this batch (dynamic sampling draws a varying
             # number of prompts per batch)
             batch.info.update(engine=e, data_state=loader.state_dict(), data_epoch=loader.epoch,
@@ -179,6 +182,7 @@ def run_generator(rt: Runtime) -> None:
             ch.close()  # failing: unlink what is in flight at once
         raise
     finally:
+        source.close()
         scorer.close()
     extra = sum(ch.close() for ch in channels)  # batches made ahead after the last step
     if extra:
@@ -186,175 +190,50 @@ def run_generator(rt: Runtime) -> None:
                 "not needed and were discarded")
 
 
-def fresh_version(b: int, k: int, every: int) -> int:
-    """The newest version the trainer publishes before it takes batch b - 1: b - 1 rounded
-    down to a multiple of `every` (sync.every), and never below the bound b - k."""
-    return max(b - k, (b - 1) // every * every)
-
-
-class WeightFollower:
-    """Tracks and loads the trainer's weight broadcasts, in order, and runs evaluations when
-    the loaded version passes an eval point."""
-
-    def __init__(self, rt: Runtime, engine: Engine, evaluator: Evaluator, timeline: Timeline):
-        self.rt, self.engine, self.evaluator = rt, engine, evaluator
-        self.timeline = timeline
-        self.received = 0  # broadcasts loaded
-        self.version = 0
-        self.final: int | None = None
-        every = rt.cfg.run.eval_every
-        self.next_eval = every if every else None
-        self.evaluated = {0}
-
-    def resumed_at(self, step: int) -> None:
-        """The run continues after `step`, which was evaluated before the checkpoint."""
-        self.evaluated = {step}
-        every = self.rt.cfg.run.eval_every
-        self.next_eval = (step // every + 1) * every if every else None
-
-    def trainer_done(self) -> bool:
-        if self.final is None and self.rt.store.check(["trainer/final_version"]):
-            self.final = int(self.rt.store.get("trainer/final_version"))
-        return self.final is not None
-
-    def _load(self) -> None:
-        """Receive and load broadcast number `self.received` (announced)."""
-        start = time.time()
-        self.engine.post_weights()  # the bytes start moving; the version is read meanwhile
-        v = announced_version(self.rt.store, self.received)
-        self.engine.load_posted_weights()
-        self.timeline.record("load_weights", start, time.time(), v)
-        self.received += 1
-        self.version = v
-        if self.next_eval is not None and v >= self.next_eval:
-            self.evaluator.run(step=v, version=v)
-            self.evaluated.add(v)
-            while self.next_eval <= v:
-                self.next_eval += self.rt.cfg.run.eval_every
-
-    def follow(self, need: int, prefer: int | None = None,
-               queued: Callable[[], bool] = lambda: False) -> bool:
-        """Load announced weights until version >= need, and on until version >= prefer
-        while `queued()` (the trainer still has a batch of this engine to train on). False
-        once the trainer is done and its final weights are loaded (no more batches needed)."""
-        while True:
-            while broadcast_announced(self.rt.store, self.received):
-                self._load()  # every announced broadcast, in order (the senders wait for it)
-            if self.trainer_done() and self.version >= self.final:
-                return False
-            if self.version >= need and (prefer is None or self.version >= prefer
-                                         or not queued()):
-                return True
-            self.rt.watchdog.check()
-            # Woken by the store the moment trainer 0 announces the next broadcast: no
-            # polling sleep between the announcement and posting the receives.
-            if broadcast_announced(self.rt.store, self.received, _WAIT_S):
-                self._load()
-
-    def finish(self) -> None:
-        """Final weights loaded: evaluate them (the trainer's summary waits for this)."""
-        if self.final not in self.evaluated:
-            self.evaluator.run(step=self.final, version=self.final)
-
-
-def sample_batch(rt: Runtime, engine: Engine, draw, scorer: RewardScorer, version: int,
-                 step: int, timeline: Timeline) -> RolloutBatch:
+def sample_batch(rt: Runtime, source: RolloutSource, draw, version: int,
+                 step: int) -> RolloutBatch:
     """Rollout batch `step` of this engine: prompts_per_step / engines scored groups drawn with
     `draw(n)`, generated by policy `version` (several rounds with dynamic sampling)."""
     cfg, g, e = rt.cfg, rt.cfg.generator, rt.role.index
     per_engine = g.prompts_per_step // rt.layout.engines
-    info = {"step": step, "generate_s": 0.0, "reward_s": 0.0, "reward_errors": 0,
-            "reward_timeouts": 0}
+    metrics: dict[str, float] = {}
 
     def sample(prompts, round_: int, first: int) -> list[ScoredGroup]:
-        t0 = time.perf_counter()
-        with timeline.phase("generate", step):
-            groups = engine.generate([p.token_ids for p in prompts], g.samples_per_prompt,
-                                     g.temperature, g.max_new_tokens,
-                                     seed=sampler_seed(cfg.run.seed, "train", step, e, round_))
-        t1 = time.perf_counter()
-        with timeline.phase("reward", step):
-            scored, scores = score_groups(scorer, prompts, groups, first)
-        info["generate_s"] += t1 - t0
-        info["reward_s"] += time.perf_counter() - t1
-        info["reward_errors"] += scores.errors  # every round counts, kept or dropped
-        info["reward_timeouts"] += scores.timeouts
-        return scored
+        got = source.collect(prompts, g.samples_per_prompt, g.temperature,
+                             sampler_seed(cfg.run.seed, "train", step, e, round_), version,
+                             step=step, first=first)
+        for k, v in got.metrics.items():  # every round counts, kept or dropped
+            metrics[k] = metrics.get(k, 0.0) + v
+        return got.groups
 
     groups, ds = collect_groups(draw, sample, per_engine, g.dynamic_sampling,
                                 g.max_sampling_rounds)
     rounds = g.max_sampling_rounds if g.dynamic_sampling else 1
-    batch = _to_batch(groups, version, e, step, per_engine * rounds)
+    batch = _to_batch(groups, e, step, per_engine * rounds)
     n = len(batch)
     names = groups[0].components.keys()
-    info.update(ds, tokens=int(batch.completion_lens.sum()), reward_components={
-        name: sum(sum(grp.components[name]) for grp in groups) / n for name in names})
+    if "episodes" in metrics:  # multi-turn: observation and glue tokens after the prompt
+        metrics["response_tokens"] = float((batch.seq_lens - batch.prompt_lens).sum())
+        metrics["sampled_tokens"] = float(batch.loss_mask.sum())
+    info = {"step": step, "generate_s": metrics.pop("generate_s", metrics.get("collect_s", 0.0)),
+            "reward_s": metrics.pop("reward_s", 0.0),
+            "reward_errors": int(metrics.pop("reward_errors", 0)),
+            "reward_timeouts": int(metrics.pop("reward_timeouts", 0)),
+            "rollout": metrics, "tokens": int(batch.loss_mask.sum()),
+            "reward_components": {name: sum(sum(grp.components[name]) for grp in groups) / n
+                                  for name in names}}
+    info.update(ds)
     batch.info.update(info)
     return batch
 
 
-def _to_batch(groups: list[ScoredGroup], version: int, engine: int, step: int,
-              stride: int) -> RolloutBatch:
+def _to_batch(groups: list[ScoredGroup], engine: int, step: int, stride: int) -> RolloutBatch:
     """`stride` bounds the prompts drawn per batch (prompts_per_step / engines x rounds), so
     group ids are unique across engines, steps and sampling rounds."""
-    rows = {k: [] for k in ("p", "c", "lp", "r", "g", "f")}
+    samples, rewards, gids = [], [], []
     for grp in groups:
         gid = (step * 65_536 + engine) * stride + grp.index
-        for c, r in zip(grp.completions, grp.rewards):
-            rows["p"].append(grp.prompt.token_ids)
-            rows["c"].append(c.token_ids)
-            rows["lp"].append(c.logprobs)
-            rows["r"].append(r)
-            rows["g"].append(gid)
-            rows["f"].append(c.finish_reason == "stop")
-    return RolloutBatch.from_lists(rows["p"], rows["c"], rows["lp"], rows["r"], rows["g"],
-                                   rows["f"], version, engine)
-
-
-class Evaluator:
-    """Held-out reward: sampled at the training temperature (the quantity RL maximises) and
-    greedy. Each engine scores its shard; engine 0 aggregates and appends to eval.jsonl.
-    The reward is the training reward without shaping (no overlong penalty) and, with
-    reward.model_placement = trainer, without the reward model (it is not loaded here)."""
-
-    def __init__(self, rt: Runtime, engine: Engine, prompts, scorer: RewardScorer):
-        self.rt, self.engine, self.prompts = rt, engine, prompts
-        self.timeline: Timeline | None = None
-        self.scorer = scorer
-
-    def run(self, step: int, version: int) -> None:
-        rt, g = self.rt, self.rt.cfg.generator
-        t0 = time.perf_counter()
-        ids = [p.token_ids for p in self.prompts]
-        n = rt.cfg.data.eval_samples_per_prompt
-        start = time.time()
-        e, seed = rt.role.index, rt.cfg.run.seed
-        sampled = self.engine.generate(ids, n, g.temperature, g.max_new_tokens,
-                                       seed=sampler_seed(seed, "eval", step, e))
-        greedy = self.engine.generate(ids, 1, 0.0, g.max_new_tokens,
-                                      seed=sampler_seed(seed, "greedy", step, e))
-        if self.timeline is not None:
-            self.timeline.record("eval", start, time.time(), step)
-        s = sum(self._score(sampled))
-        gr = sum(self._score(greedy))
-        if not rt.role.is_engine_leader:
-            return
-        rt.store.set(f"eval/{step}/{rt.role.index}",
-                     json.dumps([s, len(self.prompts) * n, gr, len(self.prompts)]))
-        if rt.role.index != 0:
-            return
-        parts = [json.loads(rt.wait_key(f"eval/{step}/{k}")) for k in range(rt.layout.engines)]
-        row = {"step": step, "policy_version": version,
-               "reward_mean": sum(p[0] for p in parts) / sum(p[1] for p in parts),
-               "reward_mean_greedy": sum(p[2] for p in parts) / sum(p[3] for p in parts),
-               "prompts": sum(p[3] for p in parts), "samples_per_prompt": n,
-               "eval_s": time.perf_counter() - t0}
-        with open(rt.run_dir / "eval.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
-        rt.store.set(f"eval/result/{step}", json.dumps(row))
-        log(rt, f"eval step {step}: held-out reward {row['reward_mean']:.3f} "
-                f"(greedy {row['reward_mean_greedy']:.3f}) on {row['prompts']} prompts")
-
-    def _score(self, groups) -> list[float]:
-        scored, _ = score_groups(self.scorer, self.prompts, groups, shaped=False)
-        return [r for grp in scored for r in grp.rewards]
+        samples += grp.samples
+        rewards += grp.rewards
+        gids += [gid] * len(grp.samples)
+    return RolloutBatch.from_samples(samples, rewards, gids, engine)

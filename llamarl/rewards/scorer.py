@@ -47,6 +47,7 @@ class ScoredGroup:
     rewards: list[float]  # [G] total reward of each completion
     components: dict[str, list[float]] = field(default_factory=dict)  # name -> [G] unweighted
     index: int = 0  # position among every prompt drawn for this batch (unique within it)
+    samples: list = field(default_factory=list)  # [G] buffer.record.Sample, the trained record
 
 
 class RewardScorer:
@@ -159,3 +160,24 @@ def reward_metrics(infos: list[dict]) -> dict:
     for name, values in means.items():
         row[f"reward/{name}"] = sum(values) / len(values)
     return row
+
+
+def rollout_metrics(infos: list[dict]) -> dict:
+    """Multi-turn episode metrics of one trainer step from the rollout batches' info (one per
+    engine); {} for single-turn sources."""
+    parts = [i["rollout"] for i in infos if i.get("rollout", {}).get("episodes")]
+    if not parts:
+        return {}
+    tot = {k: sum(p.get(k, 0.0) for p in parts) for k in parts[0]}
+    episodes = max(tot["episodes"], 1.0)
+    return {
+        "turns_per_episode": tot["turns"] / episodes,
+        "tool_calls_per_episode": tot["tool_calls"] / episodes,
+        "tool_errors": int(tot["tool_errors"]), "malformed_calls": int(tot["malformed"]),
+        "env_errors": int(tot["env_errors"]), "env_timeouts": int(tot["env_timeouts"]),
+        "env_s": max(p.get("env_s", 0.0) for p in parts),
+        # the engine stepped for this share of the collection (it idles only while every
+        # live episode waits for its environment)
+        "engine_busy_share": tot["engine_busy_s"] / max(tot["collect_s"], 1e-9),
+        "masked_response_share": 1.0 - tot["sampled_tokens"] / max(tot["response_tokens"], 1.0),
+    }

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ALPHABET = "abcdefghijkl"
 MIN_LEN, MAX_LEN = 3, 6
@@ -26,6 +26,8 @@ HELD_OUT_PERCENT = 10
 class Example:
     prompt: str  # text fed to the model, without the BOS token
     answer: str  # the verifiable target completion
+    # the whole dataset row, for multi-turn environments (rollout.env); None: {prompt, answer}
+    row: dict | None = field(default=None, compare=False, hash=False)
 
 
 def _held_out(s: str) -> bool:

@@ -19,17 +19,23 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from llamarl.buffer.record import RolloutBatch, Sample
 from llamarl.config import TrainerConfig
+from llamarl.tiny import lookup
 from llamarl.tiny import task as tasks
 from llamarl.tiny.model import build_model, save_hf_dir
-from llamarl.trainer.policy import TokenBatch, collate
+from llamarl.trainer.policy import TokenBatch, collate, pad_rollouts
 from llamarl.trainer.step import PolicyTrainer
 
-SFT_STEPS = 30
+# per task: SFT steps (the multi-turn format takes longer to learn than reversal)
+SFT_STEPS = {"reverse": 30, "lookup": 600}
 SFT_BATCH = 64  # global sequences per step
 SFT_LR = 2e-3
 SEED = 1234
 VERSION = 1  # bump when the recipe below changes
+# lookup: the share of warm-start episodes that use the tool (the others guess), so the
+# policy starts out calling it sometimes and RL has the rest to learn
+LOOKUP_TOOL_SHARE = 0.3
 
 
 def cache_root() -> Path:
@@ -38,20 +44,51 @@ def cache_root() -> Path:
 
 def warm_start_dir(task: str) -> Path:
     model, tok = build_model(SEED)
+    shape = {"alphabet": tasks.ALPHABET, "lens": [tasks.MIN_LEN, tasks.MAX_LEN]}
+    if task == "lookup":  # a new key, so the reverse task's cache path is unchanged
+        shape = {"keys": lookup.KEYS, "n": [lookup.MIN_KEYS, lookup.MAX_KEYS],
+                 "tool_share": LOOKUP_TOOL_SHARE}
     blob = json.dumps({"config": model.config.to_dict(), "vocab": tok.get_vocab(), "task": task,
-                       "alphabet": tasks.ALPHABET, "lens": [tasks.MIN_LEN, tasks.MAX_LEN],
-                       "steps": SFT_STEPS, "batch": SFT_BATCH, "lr": SFT_LR, "seed": SEED,
-                       "version": VERSION}, sort_keys=True, default=str)
+                       **shape, "steps": SFT_STEPS.get(task, 0), "batch": SFT_BATCH,
+                       "lr": SFT_LR, "seed": SEED, "version": VERSION}, sort_keys=True,
+                      default=str)
     return cache_root() / f"tiny-{task}-{hashlib.sha1(blob.encode()).hexdigest()[:10]}"
 
 
-def sft_batches(tok, step: int, rank: int, dp: int, micro: int) -> list[TokenBatch]:
+def sft_batches(tok, step: int, rank: int, dp: int, micro: int,
+                task: str = "reverse") -> list[TokenBatch]:
     """This rank's share of SFT step `step`, as micro-batches."""
+    if task == "lookup":
+        return lookup_sft_batches(tok, step, rank, dp, micro)
     examples = tasks.sample_examples(SFT_BATCH, "train", seed=SEED * 100_000 + step)
     mine = examples[rank::dp]
     seqs = [(encode_prompt(tok, ex.prompt), tok.encode(ex.answer) + [tok.eos_token_id], [])
             for ex in mine]
     return [collate(seqs[i:i + micro], tok.pad_token_id) for i in range(0, len(seqs), micro)]
+
+
+def lookup_sft_batches(tok, step: int, rank: int, dp: int, micro: int) -> list[TokenBatch]:
+    """Lookup episodes as per-token records (loss on the turns, not on the prompt or the
+    tool results), padded like rollouts."""
+    import random
+
+    rng = random.Random(SEED * 100_000 + step)
+    samples = []
+    for ex in lookup.sample_examples(SFT_BATCH, "train", seed=SEED * 100_000 + step)[rank::dp]:
+        s = Sample()
+        s.add_context([tok.bos_token_id])
+        for kind, text in lookup.transcript(ex.row, rng.random() < LOOKUP_TOOL_SHARE, rng):
+            if kind == "context":
+                s.add_context(tok.encode(text))
+            else:
+                ids = tok.encode(text) + [tok.eos_token_id]
+                s.add_sampled(ids, [0.0] * len(ids), 0)
+        samples.append(s)
+    full = pad_rollouts(RolloutBatch.from_samples(samples, [0.0] * len(samples),
+                                                  list(range(len(samples))), 0),
+                        tok.pad_token_id)
+    return [full.take(list(range(i, min(i + micro, len(samples)))))
+            for i in range(0, len(samples), micro)]
 
 
 def encode_prompt(tok, prompt: str) -> list[int]:
@@ -62,9 +99,10 @@ def run_warm_start(task: str, out_dir: Path, mesh, device: torch.device, log=pri
     """Train and save the warm start. A collective over the trainer ranks (`mesh`)."""
     from llamarl.parallel.fsdp import apply_fsdp
 
-    if task != "reverse":
-        raise ValueError(f"model.path 'tiny:{task}': the embedded model knows the task "
-                         "'reverse' only; use model.path=tiny:reverse")
+    if task not in SFT_STEPS:
+        raise ValueError(f"model.path 'tiny:{task}': the embedded model knows the tasks "
+                         f"{', '.join(SFT_STEPS)}; use model.path=tiny:reverse")
+    steps = SFT_STEPS[task]
     dp = mesh.size() if mesh is not None else 1
     rank = mesh.get_local_rank() if mesh is not None else 0
     model, tok = build_model(SEED)
@@ -72,19 +110,19 @@ def run_warm_start(task: str, out_dir: Path, mesh, device: torch.device, log=pri
     if mesh is not None:
         apply_fsdp(model, mesh, torch.float32)
     trainer = PolicyTrainer(model, TrainerConfig(lr=SFT_LR, warmup_steps=5, grad_clip=1.0),
-                            SFT_STEPS, dp, device)
-    for step in range(SFT_STEPS):
-        mbs = sft_batches(tok, step, rank, dp, micro=SFT_BATCH)
+                            steps, dp, device)
+    for step in range(steps):
+        mbs = sft_batches(tok, step, rank, dp, micro=SFT_BATCH, task=task)
         n_tokens = torch.tensor(float(sum(mb.mask.sum() for mb in mbs)))
         if dist.is_initialized():
             dist.all_reduce(n_tokens)
 
-        def loss_fn(logp, mb, _i, _entropy, n=float(n_tokens)):
+        def loss_fn(logp, mb, _entropy, n=float(n_tokens)):
             return -(logp * mb.mask).sum() / n, {}
 
         stats = trainer.step(mbs, loss_fn)
-        if step % 10 == 0 or step == SFT_STEPS - 1:
-            log(f"warm start step {step + 1}/{SFT_STEPS}: sft loss {stats['loss']:.3f}")
+        if step % 10 == 0 or step == steps - 1:
+            log(f"warm start step {step + 1}/{steps}: sft loss {stats['loss']:.3f}")
     state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
              for k, v in model.state_dict().items()}
     if rank == 0:

@@ -32,7 +32,7 @@ from llamarl.launch.runtime import Runtime, log
 from llamarl.parallel.fsdp import apply_fsdp
 from llamarl.parallel.groups import make_group
 from llamarl.parallel.weight_sync import WeightSender, metas_to_json
-from llamarl.rewards.scorer import reward_metrics
+from llamarl.rewards.scorer import reward_metrics, rollout_metrics
 from llamarl.timeline import Timeline
 from llamarl.trainer import checkpoint
 from llamarl.trainer.critic import build_critic
@@ -222,7 +222,7 @@ def run_trainer(rt: Runtime) -> None:
             "staleness_mean": stats["staleness_sum"] / max(stats["n_seqs"], 1.0),
             "staleness_max": stats["staleness_max"],
             "dropped_stale": int(stats["dropped"]), "dropped_stale_total": dropped_total,
-            "batch_digest": hashlib.sha1(batch.prompt_ids.numpy().tobytes()).hexdigest()[:12]
+            "batch_digest": hashlib.sha1(batch.token_ids.numpy().tobytes()).hexdigest()[:12]
             if batch is not None else "",
             "behaviour_version_by_engine": by_engine,
             "response_len": stats["n_tokens"] / max(stats["n_seqs"], 1.0),
@@ -246,6 +246,7 @@ def run_trainer(rt: Runtime) -> None:
                        value_mean=stats["value_sum"] / n_tok,
                        value_clip_frac=stats["value_clipped"] / n_tok)
         row.update(reward_metrics(info))  # reward errors/timeouts, dynamic sampling, components
+        row.update(rollout_metrics(info))  # multi-turn: turns, tool calls, errors, env time
         row.update(rm_row)  # reward/reward_model, reward_model_s (trainer placement)
         row["skipped_steps_total"] = int(stats["skipped_total"])
         if "skipped" in stats:
@@ -268,9 +269,8 @@ def drop_stale(batch: RolloutBatch, version: int, max_staleness: int):
     fresh = (version - batch.policy_version) <= max_staleness
     if bool(fresh.all()):
         return batch, None
-    keep = fresh.nonzero().flatten().tolist()
-    drop = (~fresh).nonzero().flatten().tolist()
-    return (batch.select(keep) if keep else None), batch.select(drop)
+    keep = fresh.nonzero().flatten()
+    return (batch.select(keep) if len(keep) else None), batch.select((~fresh).nonzero().flatten())
 
 
 def save_policy(model: torch.nn.Module, src_dir: str, out_dir: Path, writer: bool,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -19,11 +19,15 @@ def load_policy(path: str, dtype: str) -> torch.nn.Module:
 
 @dataclass
 class TokenBatch:
-    """B sequences (prompt + completion), right-padded to T tokens.
+    """B sequences, right-padded to T tokens.
 
     input_ids, attention_mask: [B, T]. Position t of the [B, T-1] tensors scores token t+1:
-    targets = input_ids[:, 1:], mask = 1 where token t+1 is a completion token, old_logp = the
-    behaviour logprob of that token (0 elsewhere).
+    targets = input_ids[:, 1:], mask = 1 where token t+1 was sampled by the policy (its loss
+    mask), old_logp = the behaviour logprob of that token (0 elsewhere).
+
+    The RL update attaches what its losses read, as fields rather than by micro-batch index:
+    advantages [B] (one per sample) or [B, T-1] (per token), returns and old_values [B, T-1]
+    (PPO's critic); None where the algorithm has none (and on masked filler micro-batches).
     """
 
     input_ids: torch.Tensor
@@ -31,14 +35,56 @@ class TokenBatch:
     targets: torch.Tensor
     mask: torch.Tensor
     old_logp: torch.Tensor
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    old_values: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> TokenBatch:
-        return TokenBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask,
-                                                    self.targets, self.mask, self.old_logp)))
+        return TokenBatch(**{f.name: None if getattr(self, f.name) is None
+                             else getattr(self, f.name).to(device) for f in fields(self)})
+
+    def take(self, rows: torch.Tensor | list[int]) -> TokenBatch:
+        """Rows `rows` (indices), trimmed to the longest of them: a micro-batch."""
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        width = max(int(self.attention_mask[rows].sum(1).max()), 2) if len(rows) else 2
+        out = {}
+        for f in fields(self):
+            t = getattr(self, f.name)
+            if t is None:
+                out[f.name] = None
+            elif t.dim() == 1:
+                out[f.name] = t[rows]
+            else:  # [B, T] columns keep `width`, [B, T-1] ones `width - 1`
+                out[f.name] = t[rows, :width - (t.shape[1] < self.input_ids.shape[1])]
+        return TokenBatch(**out)
+
+
+def pad_rollouts(batch, pad_id: int) -> TokenBatch:
+    """The padded tensors of a whole RolloutBatch, built once per rollout batch by index
+    arithmetic on its flat columns (no per-row loop). T = the longest sample."""
+    lens = batch.seq_lens.long()
+    B, L = len(lens), len(batch.token_ids)
+    T = max(int(lens.max()), 2) if B else 2
+    row = torch.repeat_interleave(torch.arange(B), lens, output_size=L)
+    col = torch.arange(L) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens,
+                                                     output_size=L)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    ids[row, col] = batch.token_ids.long()
+    attn = torch.zeros((B, T), dtype=torch.long)
+    attn[row, col] = 1
+    # token at column c is scored at position c - 1 (a sample's first token is never scored)
+    scored = col > 0
+    mask = torch.zeros((B, T - 1), dtype=torch.float32)
+    mask[row[scored], col[scored] - 1] = batch.loss_mask[scored].float()
+    old = torch.zeros((B, T - 1), dtype=torch.float32)
+    old[row[scored], col[scored] - 1] = batch.logprobs[scored]  # 0 off the loss mask
+    return TokenBatch(ids, attn, ids[:, 1:].clone(), mask, old)
 
 
 def collate(seqs: list[tuple[list[int], list[int], list[float]]], pad_id: int) -> TokenBatch:
-    """seqs: (prompt ids, completion ids, behaviour logprobs per completion token)."""
+    """(prompt ids, completion ids, behaviour logprobs per completion token) lists -> a
+    TokenBatch; for token lists built in code (the tiny model's warm start, tests). Rollouts
+    take pad_rollouts."""
     T = max(len(p) + len(c) for p, c, _ in seqs)
     B = len(seqs)
     ids = torch.full((B, T), pad_id, dtype=torch.long)

@@ -4,9 +4,9 @@ reference policy, for reward models too big to sit unsharded beside a vLLM engin
 
 Each trainer rank scores its own share of the rollout batch (n_r sequences) before the RL update:
 
-    ids_i = prompt_ids_i + completion_ids_i        the policy's tokens, when the reward model's
+    ids_i = token_ids_i (the whole sample)        the policy's tokens, when the reward model's
                                                    tokenizer has the policy's vocabulary
-          = encode_RM(decode_policy(prompt_ids_i + completion_ids_i, skip special tokens))
+          = encode_RM(decode_policy(token_ids_i, skip special tokens))
                                                    otherwise (one text, as the generator
                                                    placement scores prompt + completion)
     s_i   = logit of the reward model at the last token of ids_i      ([B, T, 1] -> [B])
@@ -61,8 +61,8 @@ class TrainerRewardModel:
     def token_ids(self, batch: RolloutBatch) -> list[list[int]]:
         """The reward model's input ids of every sequence of `batch` (see the module docstring)."""
         out = []
-        for prompt, completion, _ in batch.sequences():
-            ids = prompt + completion
+        for row in batch.rows():
+            ids = row.tolist()
             if not self.same_tokenizer:
                 text = self.policy_tokenizer.decode(ids, skip_special_tokens=True)
                 ids = self.tokenizer.encode(text)

@@ -30,10 +30,8 @@ from llamarl.algorithms.kl import kl_estimate
 from llamarl.algorithms.policy_loss import aggregate, policy_loss
 from llamarl.buffer.record import RolloutBatch
 from llamarl.trainer import critic as critic_mod
-from llamarl.trainer.policy import TokenBatch, collate, token_logprobs
+from llamarl.trainer.policy import TokenBatch, pad_rollouts, token_logprobs
 from llamarl.trainer.step import PolicyTrainer
-
-Seq = tuple[list[int], list[int], list[float]]
 
 
 def policy_step(trainer: PolicyTrainer, batch: RolloutBatch | None, cfg, pad_id: int,
@@ -45,60 +43,58 @@ def policy_step(trainer: PolicyTrainer, batch: RolloutBatch | None, cfg, pad_id:
     over the trainer ranks."""
     alg, mb = cfg.algorithm, cfg.trainer.micro_batch_size
     n = len(batch) if batch is not None else 0
-    source = batch if batch is not None else filler
-    seqs: list[Seq] = batch.sequences() if n else []
     totals = _global_counts(batch, n, version, filler)
+    # The padded tensors of the whole local batch, once: micro-batches are row slices of it.
+    full = pad_rollouts(batch, pad_id) if n else None
+    blank = _filler(batch if n else filler, pad_id)
 
-    # 1. per-sequence token tensors: advantages, and for PPO returns and old values
+    # 1. advantages (and for PPO returns and old values) as fields of the padded batch
     rewards = batch.rewards.float() if n else torch.zeros(0)
-    per_seq: dict[str, list[torch.Tensor]] = {"adv": [], "ret": [], "v_old": []}
     kl_reward = reference is not None and alg.kl_mode == "reward"
     kl_sum = torch.zeros(())
     if alg.name != "ppo":
         adv_seq = compute_advantages(
             alg.name, rewards, batch.group_ids if n else torch.zeros(0, dtype=torch.long),
-            batch.completion_lens if n else torch.zeros(0), alg.adv_eps, _all_reduce_sum)
+            batch.sampled_tokens() if n else torch.zeros(0), alg.adv_eps, _all_reduce_sum)
+        if full is not None:
+            full.advantages = adv_seq
     if alg.name == "ppo" or kl_reward:
-        # the whole local batch at once, [n, T_max]: GAE's backward recursion is one loop
-        # over T for all sequences
-        m, kl, v = _prepare(trainer, seqs, source, pad_id, mb,
-                            reference if kl_reward else None, critic, alg.kl_estimator)
+        # the whole local batch at once, [n, T-1]: GAE's backward recursion is one loop over T
+        # for all sequences
+        kl, v = _prepare(trainer, full, blank, mb, reference if kl_reward else None, critic,
+                         alg.kl_estimator)
+        m = full.mask if full is not None else torch.zeros(0, 1)
         if kl is not None:
             kl_sum = (kl * m).sum()
         if alg.name == "ppo":
             adv, ret = gae(token_rewards(rewards, m, kl, alg.kl_coef), v, m, alg.gamma, alg.lam)
-            per_seq["adv"] = _rows(adv, m)
-            per_seq["ret"] = _rows(ret, m)
-            per_seq["v_old"] = _rows(v, m)
-        else:
-            shaped = adv_seq[:, None] - alg.kl_coef * reward_to_go(kl, m)
-            per_seq["adv"] = _rows(shaped, m)
-        if alg.name == "ppo" and alg.whiten_advantages:
-            flat = torch.cat(per_seq["adv"]) if per_seq["adv"] else torch.zeros(0)
-            flat = masked_whiten(flat, torch.ones_like(flat), 1e-8, _all_reduce_sum)
-            per_seq["adv"] = list(flat.split([len(a) for a in per_seq["adv"]]))
-    else:
-        per_seq["adv"] = [adv_seq[j].expand(len(seqs[j][1])) for j in range(n)]
+            if alg.whiten_advantages:  # over the completion tokens of every trainer rank
+                keep = m > 0
+                adv = torch.zeros_like(adv).index_put_(
+                    (keep,), masked_whiten(adv[keep], torch.ones_like(adv[keep]), 1e-8,
+                                           _all_reduce_sum))
+            if full is not None:
+                full.advantages, full.returns, full.old_values = adv, ret, v
+        elif full is not None:
+            full.advantages = adv_seq[:, None] - alg.kl_coef * reward_to_go(kl, m)
 
     # 2. epochs x mini-batches of optimizer steps
     step_stats, critic_stats = [], []
     rank = dist.get_rank() if dist.is_initialized() else 0
     E, M = alg.epochs, alg.mini_batches
     for epoch in range(E):
-        order = list(range(n))
+        order = torch.arange(n)
         if E > 1 or M > 1:  # a fresh cut every pass, reproducible from (seed, version, pass)
             g = torch.Generator().manual_seed(((cfg.run.seed * 1_000_003 + version) * 101 + epoch)
                                                   * 4099 + rank)
-            order = torch.randperm(n, generator=g).tolist()
+            order = torch.randperm(n, generator=g)
         for part in range(M):
             idx = order[part * n // M:(part + 1) * n // M]
-            chunks, norm, tok_norm = _mini_batch(idx, seqs, per_seq, source, pad_id, mb, cfg)
-            step_stats.append(trainer.step([c[0] for c in chunks],
-                                           _policy_loss_fn(chunks, alg, norm, reference,
-                                                           trainer.temperature)))
+            micro, norm, tok_norm = _mini_batch(full, idx, blank, mb, cfg)
+            step_stats.append(trainer.step(micro, _policy_loss_fn(alg, norm, reference,
+                                                                  trainer.temperature)))
             if critic is not None:
-                critic_stats.append(critic.step([c[0] for c in chunks],
-                                                _value_loss_fn(chunks, cfg, tok_norm)))
+                critic_stats.append(critic.step(micro, _value_loss_fn(cfg, tok_norm)))
     stats = _combine(step_stats, E)
     if critic is not None:
         c = _combine(critic_stats, E)
@@ -114,13 +110,12 @@ def policy_step(trainer: PolicyTrainer, batch: RolloutBatch | None, cfg, pad_id:
 def _global_counts(batch, n: int, version: int, filler) -> dict:
     """Token, sequence, reward and staleness totals over every trainer rank."""
     stale = (version - batch.policy_version) if n else torch.zeros(1)
-    local = torch.tensor([float(batch.completion_lens.sum()) if n else 0.0, float(n),
+    local = torch.tensor([float(batch.loss_mask.sum()) if n else 0.0, float(n),
                           float(batch.rewards.sum()) if n else 0.0,
                           float(batch.finished.sum()) if n else 0.0,
                           float(stale.sum()) if n else 0.0,
                           float(len(filler)) if filler is not None else 0.0,
-                          float(batch.prompt_lens.sum() + batch.completion_lens.sum())
-                          if n else 0.0])
+                          float(batch.seq_lens.sum()) if n else 0.0])
     top = torch.tensor([float(stale.max()) if n else 0.0])
     if dist.is_initialized():
         dist.all_reduce(local)
@@ -138,87 +133,55 @@ def _micro_count(n_local: int, mb: int) -> int:
     return int(count)
 
 
-def _rows(x: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
-    """[n, T] -> n vectors of each row's completion-token entries."""
-    keep = mask > 0
-    return [x[j, keep[j]] for j in range(x.shape[0])]
-
-
-def _prepare(trainer: PolicyTrainer, seqs: list[Seq], source: RolloutBatch, pad_id: int,
-             mb: int, reference, critic: PolicyTrainer | None, estimator: str):
-    """No-grad forwards over the batch in micro-batches, gathered into [n, T_max] (T_max: the
-    longest sequence - 1): the loss mask, the KL to the reference (or None) and the critic's
-    values (or None), on the CPU."""
-    n_micro = _micro_count(len(seqs), mb)
-    width = max((len(p) + len(c) - 1 for p, c, _ in seqs), default=1)
-    mask = torch.zeros(len(seqs), width)
-    kl_all = torch.zeros(len(seqs), width) if reference is not None else None
-    v_all = torch.zeros(len(seqs), width) if critic is not None else None
+def _prepare(trainer: PolicyTrainer, full: TokenBatch | None, blank: TokenBatch, mb: int,
+             reference, critic: PolicyTrainer | None, estimator: str):
+    """No-grad forwards over the local batch in micro-batches, gathered into [n, T-1]: the KL
+    to the reference (or None) and the critic's values (or None), on the CPU."""
+    n = full.input_ids.shape[0] if full is not None else 0
+    shape = full.mask.shape if full is not None else (0, 1)
+    kl_all = torch.zeros(shape) if reference is not None else None
+    v_all = torch.zeros(shape) if critic is not None else None
     with torch.no_grad():
-        for k in range(n_micro):
-            part = seqs[k * mb:(k + 1) * mb]
-            tb = collate(part, pad_id) if part else _filler_chunk(source, pad_id)[0]
-            dev = trainer.device
-            tbd = tb.to(dev)
-            kl = v = None
+        for k in range(_micro_count(n, mb)):
+            rows = torch.arange(k * mb, min((k + 1) * mb, n))
+            tbd = (full.take(rows) if len(rows) else blank).to(trainer.device)
+            width = tbd.mask.shape[1]
             if reference is not None:
                 ref_logp, _ = token_logprobs(reference, tbd, trainer.temperature)
                 # behaviour logprobs stand in for the current policy's (on-policy: equal up to
                 # the engine/trainer mismatch), which saves one policy forward
                 kl = kl_estimate(tbd.old_logp, ref_logp, estimator).cpu()
+                if len(rows):
+                    kl_all[rows, :width] = kl
             if critic is not None:
                 critic.model.eval()
                 v = critic_mod.values(critic.model, tbd).cpu()
-            if part:
-                rows, cols = slice(k * mb, k * mb + len(part)), slice(0, tb.mask.shape[1])
-                mask[rows, cols] = tb.mask
-                if kl is not None:
-                    kl_all[rows, cols] = kl
-                if v is not None:
-                    v_all[rows, cols] = v
-    return mask, kl_all, v_all
+                if len(rows):
+                    v_all[rows, :width] = v
+    return kl_all, v_all
 
 
-def _mini_batch(idx: list[int], seqs: list[Seq], per_seq: dict, source: RolloutBatch,
-                pad_id: int, mb: int, cfg):
-    """Micro-batches of the sequences `idx` with their token tensors laid out like the loss
-    mask, padded with filler to the global micro-batch count; and the mini-batch's global
-    loss normaliser (algorithm.loss_agg) and completion-token count."""
-    local = torch.tensor([float(sum(len(seqs[i][1]) for i in idx)), float(len(idx))])
+def _mini_batch(full: TokenBatch | None, idx: torch.Tensor, blank: TokenBatch, mb: int, cfg):
+    """Micro-batches of the rows `idx` of the padded batch, padded with masked filler to the
+    global micro-batch count; and the mini-batch's global loss normaliser
+    (algorithm.loss_agg) and sampled-token count."""
+    local = torch.tensor([float(full.mask[idx].sum()) if len(idx) else 0.0, float(len(idx))])
     if dist.is_initialized():
         dist.all_reduce(local)
     n_tokens, n_seqs = max(float(local[0]), 1.0), max(float(local[1]), 1.0)
     norm = {"token_mean": n_tokens, "seq_mean_token_mean": n_seqs,
             # Dr. GRPO: a constant, N_seqs x the longest allowed response
             "seq_sum_constant": n_seqs * cfg.generator.max_new_tokens}[cfg.algorithm.loss_agg]
-    n_micro = _micro_count(len(idx), mb)
-    chunks = []
-    for k in range(n_micro):
+    micro = []
+    for k in range(_micro_count(len(idx), mb)):
         part = idx[k * mb:(k + 1) * mb]
-        if not part:
-            chunks.append(_filler_chunk(source, pad_id))
-            continue
-        tb = collate([seqs[i] for i in part], pad_id)
-        extras = {}
-        for name, values in per_seq.items():
-            if values:
-                extras[name] = _lay_out([values[i] for i in part], tb.mask)
-        chunks.append((tb, extras))
-    return chunks, norm, n_tokens
+        micro.append(full.take(part) if len(part) else blank)
+    return micro, norm, n_tokens
 
 
-def _lay_out(per_seq: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
-    """Per-sequence completion-token vectors -> [B, T-1] on the mask's positions, 0 elsewhere."""
-    out = torch.zeros_like(mask)
-    for j, v in enumerate(per_seq):
-        out[j, mask[j] > 0] = v.to(out.dtype)
-    return out
-
-
-def _policy_loss_fn(chunks, alg, norm: float, reference, temperature: float):
-    def loss_fn(logp, mbatch: TokenBatch, i: int, entropy):
-        adv = chunks[i][1].get("adv")
-        adv = adv.to(logp.device) if adv is not None else torch.zeros_like(logp)
+def _policy_loss_fn(alg, norm: float, reference, temperature: float):
+    def loss_fn(logp, mbatch: TokenBatch, entropy):
+        adv = mbatch.advantages if mbatch.advantages is not None else torch.zeros_like(logp)
         loss, stats = policy_loss(logp, mbatch.old_logp, adv, mbatch.mask, alg, norm)
         if reference is not None and alg.kl_mode == "loss":  # L += beta * KL(pi || pi_ref)
             with torch.no_grad():
@@ -232,12 +195,11 @@ def _policy_loss_fn(chunks, alg, norm: float, reference, temperature: float):
     return loss_fn
 
 
-def _value_loss_fn(chunks, cfg, tok_norm: float):
-    def loss_fn(v, mbatch: TokenBatch, i: int, _entropy):
-        ex = chunks[i][1]
+def _value_loss_fn(cfg, tok_norm: float):
+    def loss_fn(v, mbatch: TokenBatch, _entropy):
         zeros = torch.zeros_like(v)
-        v_old = ex["v_old"].to(v.device) if "v_old" in ex else zeros
-        ret = ex["ret"].to(v.device) if "ret" in ex else zeros
+        v_old = mbatch.old_values if mbatch.old_values is not None else zeros
+        ret = mbatch.returns if mbatch.returns is not None else zeros
         per_token, clipped = value_loss(v, v_old, ret, cfg.critic.value_clip)
         loss = aggregate(per_token, mbatch.mask, "token_mean", tok_norm)
         m = mbatch.mask
@@ -278,9 +240,9 @@ def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _filler_chunk(source: RolloutBatch, pad_id: int):
-    """One sequence of `source` with its loss mask zeroed, and no token tensors."""
-    p, c, lp = source.sequences()[0]
-    tb = collate([(p, c, lp)], pad_id)
+def _filler(source: RolloutBatch, pad_id: int) -> TokenBatch:
+    """A masked filler micro-batch: the first sample of `source` with its loss mask zeroed,
+    and nothing for the losses to read."""
+    tb = pad_rollouts(source.slice(0, 1), pad_id)
     tb.mask.zero_()
-    return tb, {}
+    return tb

@@ -17,9 +17,10 @@ from llamarl.config import TrainerConfig
 from llamarl.trainer.optim import build_optimizer
 from llamarl.trainer.policy import TokenBatch, token_logprobs
 
-# loss_fn(out [B, T-1], micro-batch, micro-batch index, entropy [B, T-1] or None)
-#     -> (loss share, stats of sums); `out` is what `forward` returns first (logprobs by default)
-LossFn = Callable[[torch.Tensor, TokenBatch, int, torch.Tensor | None],
+# loss_fn(out [B, T-1], micro-batch, entropy [B, T-1] or None) -> (loss share, stats of sums);
+# `out` is what `forward` returns first (logprobs by default); what else the loss reads
+# (advantages, returns, old values) is a field of the micro-batch
+LossFn = Callable[[torch.Tensor, TokenBatch, torch.Tensor | None],
                   tuple[torch.Tensor, dict[str, torch.Tensor]]]
 # forward(model, micro-batch) -> (out [B, T-1], entropy [B, T-1] or None)
 Forward = Callable[[torch.nn.Module, TokenBatch], tuple[torch.Tensor, torch.Tensor | None]]
@@ -55,7 +56,7 @@ class PolicyTrainer:
                 self.model.set_requires_gradient_sync(i == last)  # reduce-scatter once
             mb = mb.to(self.device)
             out, entropy = self.forward(self.model, mb)
-            loss, stats = loss_fn(out, mb, i, entropy)
+            loss, stats = loss_fn(out, mb, entropy)
             (loss * self.dp_size).backward()
             totals["loss"] += loss.detach()
             if entropy is not None:

@@ -40,7 +40,7 @@ def trainer(rt, model_dir):
         for step in steps:  # supervised steps: a real, large change of every weight
             mbs = sft_batches(tok, step, rt.role.index, 2, micro=32)
             n = float(sum(mb.mask.sum() for mb in mbs)) * 2
-            pt.step(mbs, lambda logp, mb, i, _ent: (-(logp * mb.mask).sum() / n, {}))
+            pt.step(mbs, lambda logp, mb, _ent: (-(logp * mb.mask).sum() / n, {}))
         sender.send(model)
         state = {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
         if rt.role.index == 0:

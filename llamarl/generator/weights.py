@@ -1,0 +1,86 @@
+"""Following the trainer's weights on a generator: receive every announced broadcast in order,
+load it, and run the held-out evaluation when the loaded version passes an eval point."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from llamarl.generator.engine import Engine
+from llamarl.generator.evaluate import Evaluator
+from llamarl.launch.runtime import Runtime
+from llamarl.parallel.weight_sync import announced_version, broadcast_announced
+from llamarl.timeline import Timeline
+
+_WAIT_S = 1.0  # longest blind wait for an announcement: the watchdog is checked in between
+
+
+def fresh_version(b: int, k: int, every: int) -> int:
+    """The newest version the trainer publishes before it takes batch b - 1: b - 1 rounded
+    down to a multiple of `every` (sync.every), and never below the bound b - k."""
+    return max(b - k, (b - 1) // every * every)
+
+
+class WeightFollower:
+    """Tracks and loads the trainer's weight broadcasts, in order, and runs evaluations when
+    the loaded version passes an eval point."""
+
+    def __init__(self, rt: Runtime, engine: Engine, evaluator: Evaluator, timeline: Timeline):
+        self.rt, self.engine, self.evaluator = rt, engine, evaluator
+        self.timeline = timeline
+        self.received = 0  # broadcasts loaded
+        self.version = 0
+        self.final: int | None = None
+        every = rt.cfg.run.eval_every
+        self.next_eval = every if every else None
+        self.evaluated = {0}
+
+    def resumed_at(self, step: int) -> None:
+        """The run continues after `step`, which was evaluated before the checkpoint."""
+        self.evaluated = {step}
+        every = self.rt.cfg.run.eval_every
+        self.next_eval = (step // every + 1) * every if every else None
+
+    def trainer_done(self) -> bool:
+        if self.final is None and self.rt.store.check(["trainer/final_version"]):
+            self.final = int(self.rt.store.get("trainer/final_version"))
+        return self.final is not None
+
+    def _load(self) -> None:
+        """Receive and load broadcast number `self.received` (announced)."""
+        start = time.time()
+        self.engine.post_weights()  # the bytes start moving; the version is read meanwhile
+        v = announced_version(self.rt.store, self.received)
+        self.engine.load_posted_weights()
+        self.timeline.record("load_weights", start, time.time(), v)
+        self.received += 1
+        self.version = v
+        if self.next_eval is not None and v >= self.next_eval:
+            self.evaluator.run(step=v, version=v)
+            self.evaluated.add(v)
+            while self.next_eval <= v:
+                self.next_eval += self.rt.cfg.run.eval_every
+
+    def follow(self, need: int, prefer: int | None = None,
+               queued: Callable[[], bool] = lambda: False) -> bool:
+        """Load announced weights until version >= need, and on until version >= prefer
+        while `queued()` (the trainer still has a batch of this engine to train on). False
+        once the trainer is done and its final weights are loaded (no more batches needed)."""
+        while True:
+            while broadcast_announced(self.rt.store, self.received):
+                self._load()  # every announced broadcast, in order (the senders wait for it)
+            if self.trainer_done() and self.version >= self.final:
+                return False
+            if self.version >= need and (prefer is None or self.version >= prefer
+                                         or not queued()):
+                return True
+            self.rt.watchdog.check()
+            # Woken by the store the moment trainer 0 announces the next broadcast: no
+            # polling sleep between the announcement and posting the receives.
+            if broadcast_announced(self.rt.store, self.received, _WAIT_S):
+                self._load()
+
+    def finish(self) -> None:
+        """Final weights loaded: evaluate them (the trainer's summary waits for this)."""
+        if self.final not in self.evaluated:
+            self.evaluator.run(step=self.final, version=self.final)

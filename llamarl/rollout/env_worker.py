@@ -1,0 +1,235 @@
+"""Environments in worker processes, with concurrent calls and deadlines.
+
+Environment and tool code is user code: it may hang, crash the interpreter or leak. It runs in
+`rollout.workers` spawned processes (the generator process hosts vLLM and cannot fork); each
+hosts the live environments of the episodes assigned to it (episode id % workers) and runs
+calls on a thread pool of `rollout.threads_per_worker`, so episodes whose tools wait (I/O,
+sleeps, subprocesses) overlap. Calls are asynchronous: the episode runner submits, generates
+meanwhile, and polls.
+
+    parent -> worker:  (call id, episode id, method, argument)
+                        method: "open" (row -> first prompt), "turn" (text -> observation or
+                        None, counts), "reward" (answer -> float; the environment is dropped)
+    worker -> parent:  (call id, "ok", value) | (call id, "error", "raised KeyError: 3")
+
+Deadlines (rollout.timeout_s per call): a call without a reply by then is a "timeout" for its
+episode (a late reply is ignored; a thread cannot be killed, so it may run on). A worker that
+has not replied to anything for timeout_s + KILL_GRACE_S while a call of it is overdue (its
+interpreter is stuck), or that died, is killed and restarted: every live episode on it ends with
+an error. Nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+KILL_GRACE_S = 2.0
+START_TIMEOUT_S = 120.0
+
+Outcome = tuple[str, object]  # ("ok", value) | ("error", message) | ("timeout", None)
+
+
+def _resolve_env(name: str):
+    from llamarl.rewards.registry import resolve_user
+    from llamarl.rollout.environment import Environment
+
+    builtins = {"lookup": "llamarl.envs.lookup:LookupEnv",
+                "calculator": "llamarl.envs.calculator:CalculatorEnv"}
+    cls = resolve_user(builtins.get(name, name))
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
+        raise ValueError(f"rollout.env {name!r} is not a subclass of "
+                         "llamarl.rollout.Environment")
+    return cls
+
+
+def _run(envs: dict, cls, tool_format: str, episode: int, method: str, arg) -> object:
+    if method == "open":
+        env = cls(arg)
+        envs[episode] = env
+        prompt = env.prompt()
+        if not isinstance(prompt, (str, list)):
+            raise TypeError(f"prompt() returned {type(prompt).__name__}, not str or messages")
+        return prompt
+    env = envs.get(episode)
+    if env is None:
+        raise RuntimeError("its environment is gone (its worker was restarted after a "
+                           "crash or a stuck call)")
+    if method == "turn":
+        return env.turn(arg, tool_format)
+    if method == "reward":
+        del envs[episode]
+        value = float(env.reward(arg))
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError(f"reward() returned {value}, not a finite number")
+        return value
+    raise AssertionError(method)
+
+
+def _worker_main(conn, env_name: str, tool_format: str, threads: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        cls = _resolve_env(env_name)
+    except BaseException as e:  # noqa: BLE001 - an import may raise anything
+        conn.send(("failed", str(e) if isinstance(e, ValueError) else
+                   f"importing rollout.env {env_name!r} raised {type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", None))
+    envs: dict = {}
+    lock = threading.Lock()
+
+    def work(call_id, episode, method, arg):
+        try:
+            reply = (call_id, "ok", _run(envs, cls, tool_format, episode, method, arg))
+        except BaseException as e:  # noqa: BLE001 - SystemExit from user code is an error too
+            envs.pop(episode, None) if method != "turn" else None
+            reply = (call_id, "error", f"{method} raised {type(e).__name__}: {e}")
+        with lock:
+            try:
+                conn.send(reply)
+            except (BrokenPipeError, OSError):
+                pass
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="llamarl-env") as pool:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                return
+            if msg is None:
+                return
+            pool.submit(work, *msg)
+
+
+@dataclass
+class _Call:
+    episode: int
+    worker: int
+    started: float
+
+
+class EnvPool:
+    """`workers` processes hosting environments `env_name`; see the module docstring."""
+
+    def __init__(self, env_name: str, tool_format: str, workers: int, threads: int,
+                 timeout_s: float):
+        self.env_name, self.tool_format = env_name, tool_format
+        self.threads, self.timeout_s = threads, timeout_s
+        self._ctx = mp.get_context("spawn")
+        self._procs: list = [None] * workers
+        self._conns: list = [None] * workers
+        self._last_reply = [0.0] * workers
+        self._pending: dict[int, _Call] = {}
+        self._next_id = 0
+        self.restarts = 0
+        for w in range(workers):
+            self._start(w)
+
+    def _start(self, w: int) -> None:
+        parent, child = self._ctx.Pipe()
+        proc = self._ctx.Process(target=_worker_main, name=f"llamarl-env-worker-{w}",
+                                 args=(child, self.env_name, self.tool_format, self.threads),
+                                 daemon=True)
+        proc.start()
+        child.close()
+        if not parent.poll(START_TIMEOUT_S):
+            proc.kill()
+            raise RuntimeError(f"the environment worker for {self.env_name!r} did not start "
+                               f"within {START_TIMEOUT_S:.0f} s")
+        try:
+            status, message = parent.recv()
+        except EOFError:
+            status, message = "failed", f"it exited with code {proc.exitcode}"
+        if status != "ready":
+            proc.kill()
+            raise ValueError(message)
+        self._procs[w], self._conns[w] = proc, parent
+        self._last_reply[w] = time.monotonic()
+
+    def close(self) -> None:
+        for w, (proc, conn) in enumerate(zip(self._procs, self._conns)):
+            if proc is None:
+                continue
+            try:
+                conn.send(None)
+                proc.join(1)
+            except OSError:
+                pass
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5)
+            conn.close()
+            self._procs[w] = self._conns[w] = None
+
+    def call(self, episode: int, method: str, arg) -> int:
+        """Submit `method(arg)` for `episode`; returns the call id that poll() reports."""
+        w = episode % len(self._procs)
+        call_id, self._next_id = self._next_id, self._next_id + 1
+        if not self._pending or all(c.worker != w for c in self._pending.values()):
+            self._last_reply[w] = time.monotonic()  # idle until now: not stuck
+        self._pending[call_id] = _Call(episode, w, time.monotonic())
+        try:
+            self._conns[w].send((call_id, episode, method, arg))
+        except (BrokenPipeError, OSError):
+            pass  # the worker died: poll() finds it and fails the call
+        return call_id
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def poll(self, wait_s: float = 0.0) -> list[tuple[int, int, Outcome]]:
+        """(call id, episode, outcome) of the calls that ended, waiting up to `wait_s` for the
+        first one."""
+        out: list[tuple[int, int, Outcome]] = []
+        conns = [c for c in self._conns if c is not None]
+        if wait_s > 0 and self._pending:
+            mp.connection.wait(conns, timeout=wait_s)
+        for w, conn in enumerate(self._conns):
+            while conn is not None:
+                try:
+                    if not conn.poll():
+                        break
+                    call_id, kind, value = conn.recv()
+                except (EOFError, OSError):
+                    break
+                self._last_reply[w] = time.monotonic()
+                call = self._pending.pop(call_id, None)
+                if call is not None:  # None: it had timed out already
+                    out.append((call_id, call.episode, (kind, value)))
+        out += self._expire()
+        return out
+
+    def _expire(self) -> list[tuple[int, int, Outcome]]:
+        now, out, dead = time.monotonic(), [], set()
+        for w, proc in enumerate(self._procs):
+            if not proc.is_alive():
+                dead.add(w)
+        for call_id, call in list(self._pending.items()):
+            if call.worker in dead:
+                continue
+            if now - call.started > self.timeout_s:
+                del self._pending[call_id]
+                out.append((call_id, call.episode, ("timeout", None)))
+                if now - self._last_reply[call.worker] > self.timeout_s + KILL_GRACE_S:
+                    dead.add(call.worker)  # stuck interpreter: nothing comes back from it
+        for w in dead:
+            code = self._procs[w].exitcode
+            for call_id, call in list(self._pending.items()):
+                if call.worker == w:
+                    del self._pending[call_id]
+                    out.append((call_id, call.episode,
+                                ("error", f"the environment worker died (exit code {code})"
+                                 if code is not None else "the environment worker was stuck "
+                                 "and was restarted")))
+            if self._procs[w].is_alive():
+                self._procs[w].kill()
+            self._procs[w].join(5)
+            self._conns[w].close()
+            self.restarts += 1
+            self._start(w)
+        return out

@@ -1,0 +1,205 @@
+"""Multi-turn episodes: the policy talks to an environment (rollout.env) that runs its tools.
+
+Token in, token out. An episode's context is a token list that only ever grows: the prompt's
+tokens, then each turn's tokens exactly as the engine sampled them (with its EOS), then the
+observation's tokens. Sampled text is decoded for the environment to read, never re-encoded
+into the context, so the trainer scores exactly the tokens the engine sampled (no
+re-tokenisation drift) and the record's loss mask is 1 on them alone:
+
+    [prompt | turn 1 | observation 1 (+ template glue) | turn 2 | ...]
+     mask 0    1        0                                 1
+
+Concurrency: every live episode of the call is in flight at once. A turn is submitted to the
+engine as soon as its context is ready and the engine steps while environment calls (tools)
+run in the worker processes, so an episode waiting for a tool never holds the others. The
+engine idles only when every live episode waits for the environment; `engine_busy_s` against
+`collect_s` says how often.
+
+Limits: rollout.max_turns assistant turns; rollout.max_tokens tokens of context (0 = the
+engine's max_model_len); a turn gets min(generator.max_new_tokens, what is left). An episode
+that hits one ends (finish reason max_turns / context / length) and is still scored.
+
+Randomness: the sampler is seeded per call as for single-turn sampling, but which sequences
+share an engine step depends on when tool calls return, so episodes are not bitwise
+reproducible when tools take variable time (single-turn runs stay bitwise).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from llamarl.buffer.record import Sample
+from llamarl.rewards.scorer import ScoredGroup
+from llamarl.rollout.env_worker import EnvPool
+from llamarl.rollout.source import Collected, RolloutSource
+
+_IDLE_WAIT_S = 0.05  # longest blind wait for the environment while the engine has nothing
+
+
+@dataclass
+class _Episode:
+    group: int
+    sample: Sample = field(default_factory=Sample)
+    reward: float | None = None
+    last_text: str = ""
+
+
+class ContextEncoder:
+    """Prompt and observation tokens: raw text, or chat messages through the template.
+
+    A list of messages after a turn is rendered as the template's continuation of the
+    conversation: its tokens after the assistant's end-of-turn token through the next
+    generation prompt ("glue", masked out with the observation)."""
+
+    _SENTINEL = "\u2063llamarl-turn\u2063"
+
+    def __init__(self, tokenizer, formatter):
+        self.tokenizer = tokenizer
+        self.formatter = formatter
+
+    def prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            from llamarl.tiny.task import Example
+            return self.formatter.encode([Example(prompt, "")])[0].token_ids
+        text = self.tokenizer.apply_chat_template(prompt, tokenize=False,
+                                                  add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def observation_ids(self, observation, turn_ended_with_eos: bool) -> list[int]:
+        if isinstance(observation, str):
+            return self.tokenizer(observation, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(self.glue_text(observation, turn_ended_with_eos),
+                              add_special_tokens=False)["input_ids"]
+
+    def glue_text(self, messages: list[dict], turn_ended_with_eos: bool) -> str:
+        tok = self.tokenizer
+        base = [{"role": "user", "content": "u"},
+                {"role": "assistant", "content": self._SENTINEL}]
+        text = tok.apply_chat_template(base + list(messages), tokenize=False,
+                                       add_generation_prompt=True)
+        at = text.find(self._SENTINEL)
+        if at < 0:
+            raise ValueError("the chat template does not render assistant messages' content: "
+                             "multi-turn observations need a template that does")
+        glue = text[at + len(self._SENTINEL):]
+        eos = tok.eos_token or ""
+        if turn_ended_with_eos and eos and glue.startswith(eos):
+            glue = glue[len(eos):]  # the sampled turn already holds it
+        return glue
+
+
+class MultiTurnSource(RolloutSource):
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        ro = ctx.cfg.rollout
+        self.pool = EnvPool(ro.env, ro.tool_format, ro.workers, ro.threads_per_worker,
+                            ro.timeout_s)
+        self.encoder = ContextEncoder(ctx.tokenizer, ctx.formatter)
+        self.max_tokens = ro.max_tokens or ctx.cfg.generator.max_model_len
+        self.eos = ctx.tokenizer.eos_token_id
+        self._episode_base = 0  # episode ids stay unique across calls (worker-side state)
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def collect(self, prompts, n, temperature, seed, version, step=None,
+                first=0) -> Collected:
+        ctx, ro = self.ctx, self.ctx.cfg.rollout
+        engine, pool = ctx.engine, self.pool
+        t_start = time.perf_counter()
+        base, self._episode_base = self._episode_base, self._episode_base + len(prompts) * n
+        episodes = {base + j * n + i: _Episode(j) for j in range(len(prompts)) for i in range(n)}
+        calls: dict[int, str] = {}  # call id -> method
+        m = {k: 0.0 for k in ("episodes", "turns", "tool_calls", "tool_errors", "malformed",
+                              "env_errors", "env_timeouts", "env_s", "engine_busy_s")}
+        m["episodes"] = float(len(episodes))
+        live = len(episodes)
+        engine.begin(seed)
+        for eid, ep in episodes.items():
+            row = dict(prompts[ep.group].row or {"prompt": prompts[ep.group].text,
+                                                 "answer": prompts[ep.group].answer})
+            calls[pool.call(eid, "open", row)] = "open"
+
+        def end(eid: int, finish: str) -> None:
+            ep = episodes[eid]
+            ep.sample.finish = finish
+            calls[pool.call(eid, "reward", ep.last_text)] = "reward"
+
+        def submit(eid: int) -> None:
+            ep = episodes[eid]
+            room = self.max_tokens - len(ep.sample.token_ids)
+            if room <= 0:
+                return end(eid, "context")
+            engine.submit(f"{eid}:{ep.sample.turns}", ep.sample.token_ids, temperature,
+                          min(ctx.cfg.generator.max_new_tokens, room))
+
+        def failed(eid: int, method: str, outcome) -> None:
+            kind, what = outcome
+            m["env_timeouts" if kind == "timeout" else "env_errors"] += 1
+            if ro.on_error == "stop":
+                what = (f"timed out after {ro.timeout_s:g} s (rollout.timeout_s)"
+                        if kind == "timeout" else what)
+                raise RuntimeError(f"rollout.env {ro.env!r}: {method} {what}; set "
+                                   "rollout.on_error=zero to end such episodes with reward 0 "
+                                   "and go on")
+            ep = episodes[eid]
+            ep.sample.finish, ep.reward = "env_error", 0.0
+
+        while live:
+            if engine.busy:
+                t0 = time.perf_counter()
+                finished = engine.step()
+                m["engine_busy_s"] += time.perf_counter() - t0
+                for rid, c in finished:
+                    eid = int(rid.split(":")[0])
+                    ep = episodes[eid]
+                    ep.sample.add_sampled(c.token_ids, c.logprobs, version)
+                    ep.last_text = c.text
+                    m["turns"] += 1
+                    if c.finish_reason != "stop":  # the turn hit its token limit
+                        full = len(ep.sample.token_ids) >= self.max_tokens
+                        end(eid, "context" if full else "length")
+                    else:
+                        calls[pool.call(eid, "turn", c.text)] = "turn"
+            t0 = time.perf_counter()
+            results = pool.poll(0.0 if engine.busy else _IDLE_WAIT_S)
+            if not engine.busy:
+                m["env_s"] += time.perf_counter() - t0
+            for call_id, eid, outcome in results:
+                method = calls.pop(call_id)
+                ep = episodes[eid]
+                if ep.reward is not None:
+                    continue  # the episode already ended (an error)
+                if outcome[0] != "ok":
+                    failed(eid, method, outcome)
+                    live -= 1
+                    continue
+                value = outcome[1]
+                if method == "open":
+                    ep.sample.add_context(self.encoder.prompt_ids(value))
+                    submit(eid)
+                elif method == "turn":
+                    observation, counts = value
+                    for k, v in counts.items():
+                        m[k] += v
+                    if observation is None:
+                        end(eid, "stop")
+                    elif ep.sample.turns >= ro.max_turns:
+                        end(eid, "max_turns")
+                    else:
+                        ended_eos = bool(ep.sample.token_ids) and \
+                            ep.sample.token_ids[-1] == self.eos
+                        ep.sample.add_context(self.encoder.observation_ids(observation,
+                                                                           ended_eos))
+                        submit(eid)
+                else:  # reward: the episode is complete
+                    ep.reward = float(value)
+                    live -= 1
+        m["collect_s"] = time.perf_counter() - t_start
+        groups = []
+        for j, prompt in enumerate(prompts):
+            eps = [episodes[base + j * n + i] for i in range(n)]
+            groups.append(ScoredGroup(prompt, [], [e.reward for e in eps], {}, first + j,
+                                      [e.sample for e in eps]))
+        return Collected(groups, m)

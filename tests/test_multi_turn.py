@@ -1,0 +1,196 @@
+"""Multi-turn pieces without an engine: tool-call parsing, the environment worker pool
+(concurrency, timeouts, crashes), chat-template glue, the built-in environments."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from llamarl.envs.calculator import CalculatorEnv, calculate
+from llamarl.envs.lookup import LookupEnv
+from llamarl.rollout.env_worker import EnvPool
+from llamarl.rollout.tool_calls import parse_turn
+from llamarl.tiny import lookup
+
+TOOLS = {"calculate": calculate, "lookup": lambda k: k}
+
+
+def test_hermes_calls_are_parsed_and_malformed_ones_reported():
+    text = ('Let me compute. <tool_call>{"name": "calculate", "arguments": {"expression": '
+            '"3*7"}}</tool_call> and <tool_call>{"name": "nope", "arguments": {}}</tool_call>'
+            '<tool_call>{bad json}</tool_call><tool_call>{"name": "lookup"')
+    p = parse_turn(text, "hermes", TOOLS)
+    assert [(c.name, c.kwargs) for c in p.calls] == [("calculate", {"expression": "3*7"})]
+    assert len(p.malformed) == 3
+    assert "no tool 'nope'" in p.malformed[0] and "not valid JSON" in p.malformed[1]
+    assert "not closed" in p.malformed[2]
+    assert parse_turn("The answer is 21.\n#### 21", "hermes", TOOLS).is_answer
+
+
+def test_compact_calls():
+    one = {"lookup": lambda k: k}
+    assert parse_turn("*a", "compact", one).calls[0].args == ["a"]
+    assert parse_turn("*lookup b", "compact", TOOLS).calls[0].args == ["b"]
+    assert parse_turn("*", "compact", one).malformed
+    assert parse_turn("37", "compact", one).is_answer
+
+
+def test_calculator_is_arithmetic_only():
+    assert calculate("(12 + 7) * 3") == "57" and calculate("7 / 2") == "3.5"
+    with pytest.raises(ValueError):
+        calculate("__import__('os').system('true')")
+    with pytest.raises(ValueError):
+        calculate("9 ** 999")
+
+
+def test_environment_turns_run_tools_and_show_errors():
+    env = LookupEnv({"prompt": "ab=", "answer": "37", "table": "370000000000"})
+    obs, counts = env.turn("*a", "compact")
+    assert obs == "3=" and counts == {"tool_calls": 1, "tool_errors": 0, "malformed": 0}
+    obs, counts = env.turn("*z", "compact")  # unknown key: the tool raises
+    assert obs == "-=" and counts["tool_errors"] == 1
+    assert env.turn("37", "compact")[0] is None
+    assert env.reward("37") == 1.0 and env.reward("30") == 0.5 and env.reward("*a") == 0.0
+    calc = CalculatorEnv({"prompt": "What is 3*7?", "answer": "21"})
+    obs, counts = calc.turn('<tool_call>{"name": "calculate", "arguments": {"expression": '
+                            '"3*7"}}</tool_call>', "hermes")
+    assert obs == [{"role": "tool", "content": "21"}] and counts["tool_calls"] == 1
+    assert calc.reward("so #### 21") == 1.0
+
+
+def _run(pool, calls, deadline_s=30.0):
+    ids = {pool.call(ep, method, arg): ep for ep, method, arg in calls}
+    out = {}
+    t0 = time.monotonic()
+    while len(out) < len(ids) and time.monotonic() - t0 < deadline_s:
+        for call_id, ep, outcome in pool.poll(0.05):
+            out[call_id] = (ep, outcome)
+    return [out[i] for i in ids]
+
+
+def test_env_pool_overlaps_waiting_tools():
+    pool = EnvPool("user_envs:SlowLookupEnv", "compact", workers=2, threads=16,
+                   timeout_s=10)
+    try:
+        rows = [ex.row for ex in lookup.sample_examples(32, "train", 0)]
+        opened = _run(pool, [(i, "open", r) for i, r in enumerate(rows)])
+        assert all(o[1][0] == "ok" for o in opened)
+        t0 = time.monotonic()
+        turns = _run(pool, [(i, "turn", "*" + r["prompt"][0]) for i, r in enumerate(rows)])
+        took = time.monotonic() - t0
+        assert all(o[1][0] == "ok" and o[1][1][0].endswith("=") for o in turns)
+        assert took < 0.5, f"32 tools of 0-50 ms each took {took:.2f} s: not concurrent"
+    finally:
+        pool.close()
+
+
+def test_env_pool_contains_errors_hangs_and_crashes():
+    pool = EnvPool("user_envs:RaisingRewardEnv", "compact", workers=1, threads=4,
+                   timeout_s=1.0)
+    try:
+        assert _run(pool, [(0, "open", {"prompt": "x"})])[0][1][0] == "ok"
+        kind, what = _run(pool, [(0, "reward", "a")])[0][1]
+        assert kind == "error" and "no reward for you" in what
+    finally:
+        pool.close()
+    pool = EnvPool("user_envs:HangingEnv", "compact", workers=1, threads=4, timeout_s=1.0)
+    try:
+        _run(pool, [(0, "open", {"prompt": "x"}), (1, "open", {"prompt": "y"})])
+        t0 = time.monotonic()
+        assert _run(pool, [(0, "turn", "hi")])[0][1] == ("timeout", None)
+        assert time.monotonic() - t0 < 5
+        # the worker still serves other episodes while a thread hangs
+        assert _run(pool, [(1, "reward", "a")])[0][1] == ("ok", 0.0)
+    finally:
+        pool.close()
+    pool = EnvPool("user_envs:CrashingEnv", "compact", workers=1, threads=4, timeout_s=5.0)
+    try:
+        _run(pool, [(0, "open", {"prompt": "x"}), (1, "open", {"prompt": "y"})])
+        kind, what = _run(pool, [(0, "turn", "hi")])[0][1]
+        assert kind == "error" and "died" in what
+        assert pool.restarts == 1
+        kind, what = _run(pool, [(1, "turn", "hi")])[0][1]  # its state went with the worker
+        assert kind == "error" and "gone" in what
+    finally:
+        pool.close()
+
+
+def test_unknown_environment_is_a_one_line_error():
+    with pytest.raises(ValueError, match="user_envs:Nope"):
+        EnvPool("user_envs:Nope", "compact", workers=1, threads=1, timeout_s=1)
+
+
+QWEN_LIKE = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'tool' -%}"
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user"
+    "{% endif %}\n<tool_response>\n{{ m.content }}\n</tool_response>"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif -%}"
+    "{%- else -%}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif -%}")
+
+
+def chat_tokenizer():
+    """A character tokenizer with ChatML special tokens and a Qwen2.5-like tool template."""
+    import string
+
+    from llamarl.tiny.model import build_tokenizer
+
+    tok = build_tokenizer(sorted(set(string.printable) - {"\x0b", "\x0c"}))
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.eos_token = "<|im_end|>"
+    tok.chat_template = QWEN_LIKE
+    return tok
+
+
+def test_chat_glue_continues_the_conversation_token_in_token_out():
+    from llamarl.data.prompts import PromptFormatter
+    from llamarl.rollout.multi_turn import ContextEncoder
+
+    tok = chat_tokenizer()
+    enc = ContextEncoder(tok, PromptFormatter(tok, chat_template=True))
+    env = CalculatorEnv({"prompt": "What is 3*7?", "answer": "21"})
+    ids = enc.prompt_ids(env.prompt())
+    turn1 = ('<tool_call>{"name": "calculate", "arguments": {"expression": "3*7"}}'
+             '</tool_call>')
+    ids += tok.encode(turn1, add_special_tokens=False) + [tok.eos_token_id]  # as sampled
+    obs, counts = env.turn(turn1, "hermes")
+    ids += enc.observation_ids(obs, turn_ended_with_eos=True)
+    turn2 = "3*7 = 21\n#### 21"
+    ids += tok.encode(turn2, add_special_tokens=False) + [tok.eos_token_id]
+    conversation = env.prompt() + [{"role": "assistant", "content": turn1}, *obs,
+                                   {"role": "assistant", "content": turn2}]
+    # the template closes the last message with a newline the policy never sampled
+    assert tok.decode(ids) == tok.apply_chat_template(conversation, tokenize=False)[:-1]
+    assert counts["tool_calls"] == 1 and env.reward(turn2) == 1.0
+
+
+def test_three_turn_episodes_are_token_in_token_out(cache_dir, monkeypatch):
+    """Real engine, real environment workers: the record holds the tokens exactly as sampled,
+    so the trainer's recomputed logprobs match the engine's on every sampled token, and no
+    observation token carries loss weight."""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+    from conftest import DIST, ROOT, child_env
+
+    from llamarl.tiny.warmstart import run_warm_start, warm_start_dir
+
+    monkeypatch.setenv("LLAMARL_CACHE", str(cache_dir))
+    path = warm_start_dir("reverse")
+    if not (path / "config.json").is_file():
+        run_warm_start("reverse", path, None, torch.device("cpu"))
+    proc = subprocess.run([sys.executable, str(DIST / "multi_turn_episode.py"), str(path)],
+                          cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    three = sum(t == 3 for t in out["turns"])
+    assert three >= 8, out  # most of the 32 episodes run all three turns
+    assert out["max_abs_diff"] <= 1e-3, out
+    assert out["masked_tokens_with_weight"] == 0
+    assert out["versions"] == [7] and out["policy_version"] == [7]
+    assert out["metrics"]["turns"] == sum(out["turns"])
