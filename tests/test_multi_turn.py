@@ -194,3 +194,88 @@ def test_three_turn_episodes_are_token_in_token_out(cache_dir, monkeypatch):
     assert out["masked_tokens_with_weight"] == 0
     assert out["versions"] == [7] and out["policy_version"] == [7]
     assert out["metrics"]["turns"] == sum(out["turns"])
+
+
+class ScriptedEngine:
+    """Stands in for the engine in the episode runner's unit tests (the real engine runs in
+    test_three_turn_episodes_are_token_in_token_out): every turn is `reply` + EOS."""
+
+    EOS = 2
+
+    def __init__(self, tok, reply: str):
+        self.tok, self.reply, self.queue = tok, reply, []
+
+    def begin(self, seed):
+        pass
+
+    def submit(self, rid, ids, temperature, max_tokens):
+        self.queue.append((rid, max_tokens))
+
+    @property
+    def busy(self):
+        return bool(self.queue)
+
+    def step(self):
+        from llamarl.generator.engine import Completion
+
+        out = []
+        for rid, max_tokens in self.queue:
+            ids = (self.tok.encode(self.reply) + [self.EOS])[:max_tokens]
+            finish = "stop" if ids[-1] == self.EOS else "length"
+            out.append((rid, Completion(ids, [-0.5] * len(ids), finish, self.reply)))
+        self.queue = []
+        return out
+
+
+def _source(env: str, reply: str, *overrides: str):
+    from llamarl.config import load_config
+    from llamarl.data.prompts import PromptFormatter
+    from llamarl.rollout.multi_turn import MultiTurnSource
+    from llamarl.rollout.source import SourceContext
+    from llamarl.tiny.model import build_tokenizer
+
+    cfg = load_config("recipes/tiny_tool_cpu.yaml", [f"rollout.env={env}", "rollout.workers=1",
+                                                     "rollout.timeout_s=1", *overrides])
+    tok = build_tokenizer()
+    fmt = PromptFormatter(tok)
+    src = MultiTurnSource(SourceContext(cfg, ScriptedEngine(tok, reply), tok, fmt, None))
+    return src, fmt.encode(lookup.sample_examples(2, "train", 0))
+
+
+def test_episode_limits_end_episodes_with_a_finish_reason():
+    src, prompts = _source("lookup", "*a")  # a policy that only ever calls the tool
+    try:
+        got = src.collect(prompts, 2, 1.0, 0, version=3, step=0)
+        assert {s.finish for g in got.groups for s in g.samples} == {"max_turns"}
+        assert all(s.turns == 4 for g in got.groups for s in g.samples)
+        assert got.metrics["tool_calls"] == 16 and all(r == [0.0, 0.0] for r in
+                                                       (g.rewards for g in got.groups))
+    finally:
+        src.close()
+    src, prompts = _source("lookup", "*a", "rollout.max_tokens=12")
+    try:
+        got = src.collect(prompts, 1, 1.0, 0, version=0, step=0)
+        assert {s.finish for g in got.groups for s in g.samples} <= {"context", "length"}
+        assert all(len(s.token_ids) <= 12 for g in got.groups for s in g.samples)
+    finally:
+        src.close()
+
+
+def test_failing_environments_follow_on_error():
+    src, prompts = _source("user_envs:RaisingRewardEnv", "hi")
+    try:
+        with pytest.raises(RuntimeError, match="RaisingRewardEnv.*reward raised ValueError: "
+                                               "no reward for you.*on_error=zero"):
+            src.collect(prompts, 1, 1.0, 0, version=0, step=0)
+    finally:
+        src.close()
+    src, prompts = _source("user_envs:HangingEnv", "hi", "rollout.on_error=zero")
+    try:
+        t0 = time.monotonic()
+        got = src.collect(prompts, 2, 1.0, 0, version=0, step=0)
+        assert time.monotonic() - t0 < 10
+        assert {s.finish for g in got.groups for s in g.samples} == {"env_error"}
+        assert got.metrics["env_timeouts"] == 4 and [g.rewards for g in got.groups] == \
+            [[0.0, 0.0], [0.0, 0.0]]
+    finally:
+        src.close()

@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from llamarl.buffer.channel import open_channel
-from llamarl.buffer.record import RolloutBatch, split_groups
+from llamarl.buffer.record import FINISH_REASONS, RolloutBatch, split_groups
 from llamarl.data.dataset import PromptData, load_prompt_data
 from llamarl.data.loader import PromptLoader, shard
 from llamarl.data.prompts import PromptFormatter
@@ -215,6 +217,8 @@ def sample_batch(rt: Runtime, source: RolloutSource, draw, version: int,
     if "episodes" in metrics:  # multi-turn: observation and glue tokens after the prompt
         metrics["response_tokens"] = float((batch.seq_lens - batch.prompt_lens).sum())
         metrics["sampled_tokens"] = float(batch.loss_mask.sum())
+        counts = torch.bincount(batch.finish.long(), minlength=len(FINISH_REASONS)).tolist()
+        metrics.update({f"finish_{name}": float(c) for name, c in zip(FINISH_REASONS, counts)})
     info = {"step": step, "generate_s": metrics.pop("generate_s", metrics.get("collect_s", 0.0)),
             "reward_s": metrics.pop("reward_s", 0.0),
             "reward_errors": int(metrics.pop("reward_errors", 0)),

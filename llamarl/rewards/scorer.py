@@ -180,4 +180,8 @@ def rollout_metrics(infos: list[dict]) -> dict:
         # live episode waits for its environment)
         "engine_busy_share": tot["engine_busy_s"] / max(tot["collect_s"], 1e-9),
         "masked_response_share": 1.0 - tot["sampled_tokens"] / max(tot["response_tokens"], 1.0),
+        # why episodes ended: stop (final answer), length (a turn hit max_new_tokens),
+        # max_turns, context (rollout.max_tokens), env_error (rollout.on_error = zero)
+        **{k.replace("finish_", "episodes_"): int(v) for k, v in tot.items()
+           if k.startswith("finish_")},
     }

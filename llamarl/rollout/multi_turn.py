@@ -16,8 +16,9 @@ engine idles only when every live episode waits for the environment; `engine_bus
 `collect_s` says how often.
 
 Limits: rollout.max_turns assistant turns; rollout.max_tokens tokens of context (0 = the
-engine's max_model_len); a turn gets min(generator.max_new_tokens, what is left). An episode
-that hits one ends (finish reason max_turns / context / length) and is still scored.
+engine's max_model_len): an observation that would leave no room for a turn ends the episode
+instead of being appended; a turn gets min(generator.max_new_tokens, what is left). An
+episode that hits one ends (finish reason max_turns / context / length) and is still scored.
 
 Randomness: the sampler is seeded per call as for single-turn sampling, but which sequences
 share an engine step depends on when tool calls return, so episodes are not bitwise
@@ -190,9 +191,12 @@ class MultiTurnSource(RolloutSource):
                     else:
                         ended_eos = bool(ep.sample.token_ids) and \
                             ep.sample.token_ids[-1] == self.eos
-                        ep.sample.add_context(self.encoder.observation_ids(observation,
-                                                                           ended_eos))
-                        submit(eid)
+                        obs = self.encoder.observation_ids(observation, ended_eos)
+                        if len(ep.sample.token_ids) + len(obs) >= self.max_tokens:
+                            end(eid, "context")  # no room for the observation and a turn
+                        else:
+                            ep.sample.add_context(obs)
+                            submit(eid)
                 else:  # reward: the episode is complete
                     ep.reward = float(value)
                     live -= 1
