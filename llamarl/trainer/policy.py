@@ -27,7 +27,8 @@ class TokenBatch:
 
     The RL update attaches what its losses read, as fields rather than by micro-batch index:
     advantages [B] (one per sample) or [B, T-1] (per token), returns and old_values [B, T-1]
-    (PPO's critic); None where the algorithm has none (and on masked filler micro-batches).
+    (PPO's critic), ref_logp [B, T-1] (the frozen reference's logprobs, for a KL term); None
+    where the algorithm has none (and on masked filler micro-batches).
     """
 
     input_ids: torch.Tensor
@@ -38,6 +39,7 @@ class TokenBatch:
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> TokenBatch:
         return TokenBatch(**{f.name: None if getattr(self, f.name) is None

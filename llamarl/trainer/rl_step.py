@@ -8,6 +8,8 @@
        ppo: per-token rewards (outcome at the last token, -beta * KL_t on every token), the
            critic's values V_old, GAE -> A_t and returns R_t, A whitened over the global batch
            (algorithms/gae.py)
+       (the whole local batch is padded once; the reference's logprobs and the critic's
+       values come from one no-grad pass over it and are attached to the padded batch)
     2. for each of algorithm.epochs passes, cut the batch into algorithm.mini_batches parts;
        for each part one optimizer step of the policy (policy_loss, + beta * KL in loss mode,
        - entropy bonus) and, for PPO, one of the critic (clipped value loss)
@@ -58,12 +60,21 @@ def policy_step(trainer: PolicyTrainer, batch: RolloutBatch | None, cfg, pad_id:
             batch.sampled_tokens() if n else torch.zeros(0), alg.adv_eps, _all_reduce_sum)
         if full is not None:
             full.advantages = adv_seq
+    if reference is not None or critic is not None:
+        # no-grad forwards over the whole local batch once, [n, T-1]: the reference's logprobs
+        # (read by a KL loss on every pass, or turned into a KL reward) and the critic's values
+        ref_logp, v = _prepare(trainer, full, blank, mb, reference, critic)
+        if full is not None:
+            full.ref_logp = ref_logp
     if alg.name == "ppo" or kl_reward:
-        # the whole local batch at once, [n, T-1]: GAE's backward recursion is one loop over T
-        # for all sequences
-        kl, v = _prepare(trainer, full, blank, mb, reference if kl_reward else None, critic,
-                         alg.kl_estimator)
+        # GAE's backward recursion is one loop over T for all sequences
         m = full.mask if full is not None else torch.zeros(0, 1)
+        kl = None
+        if kl_reward:
+            # behaviour logprobs stand in for the current policy's (on-policy: equal up to the
+            # engine/trainer mismatch), which saves one policy forward
+            old = full.old_logp if full is not None else torch.zeros(0, 1)
+            kl = kl_estimate(old, ref_logp, alg.kl_estimator)
         if kl is not None:
             kl_sum = (kl * m).sum()
         if alg.name == "ppo":
@@ -91,8 +102,7 @@ def policy_step(trainer: PolicyTrainer, batch: RolloutBatch | None, cfg, pad_id:
         for part in range(M):
             idx = order[part * n // M:(part + 1) * n // M]
             micro, norm, tok_norm = _mini_batch(full, idx, blank, mb, cfg)
-            step_stats.append(trainer.step(micro, _policy_loss_fn(alg, norm, reference,
-                                                                  trainer.temperature)))
+            step_stats.append(trainer.step(micro, _policy_loss_fn(alg, norm, reference)))
             if critic is not None:
                 critic_stats.append(critic.step(micro, _value_loss_fn(cfg, tok_norm)))
     stats = _combine(step_stats, E)
@@ -134,12 +144,12 @@ def _micro_count(n_local: int, mb: int) -> int:
 
 
 def _prepare(trainer: PolicyTrainer, full: TokenBatch | None, blank: TokenBatch, mb: int,
-             reference, critic: PolicyTrainer | None, estimator: str):
-    """No-grad forwards over the local batch in micro-batches, gathered into [n, T-1]: the KL
-    to the reference (or None) and the critic's values (or None), on the CPU."""
+             reference, critic: PolicyTrainer | None):
+    """No-grad forwards over the local batch in micro-batches, gathered into [n, T-1] on the
+    CPU: the reference's logprobs (or None) and the critic's values (or None)."""
     n = full.input_ids.shape[0] if full is not None else 0
     shape = full.mask.shape if full is not None else (0, 1)
-    kl_all = torch.zeros(shape) if reference is not None else None
+    ref_all = torch.zeros(shape) if reference is not None else None
     v_all = torch.zeros(shape) if critic is not None else None
     with torch.no_grad():
         for k in range(_micro_count(n, mb)):
@@ -148,17 +158,14 @@ def _prepare(trainer: PolicyTrainer, full: TokenBatch | None, blank: TokenBatch,
             width = tbd.mask.shape[1]
             if reference is not None:
                 ref_logp, _ = token_logprobs(reference, tbd, trainer.temperature)
-                # behaviour logprobs stand in for the current policy's (on-policy: equal up to
-                # the engine/trainer mismatch), which saves one policy forward
-                kl = kl_estimate(tbd.old_logp, ref_logp, estimator).cpu()
                 if len(rows):
-                    kl_all[rows, :width] = kl
+                    ref_all[rows, :width] = ref_logp.cpu()
             if critic is not None:
                 critic.model.eval()
                 v = critic_mod.values(critic.model, tbd).cpu()
                 if len(rows):
                     v_all[rows, :width] = v
-    return kl_all, v_all
+    return ref_all, v_all
 
 
 def _mini_batch(full: TokenBatch | None, idx: torch.Tensor, blank: TokenBatch, mb: int, cfg):
@@ -179,13 +186,12 @@ def _mini_batch(full: TokenBatch | None, idx: torch.Tensor, blank: TokenBatch, m
     return micro, norm, n_tokens
 
 
-def _policy_loss_fn(alg, norm: float, reference, temperature: float):
+def _policy_loss_fn(alg, norm: float, reference):
     def loss_fn(logp, mbatch: TokenBatch, entropy):
         adv = mbatch.advantages if mbatch.advantages is not None else torch.zeros_like(logp)
         loss, stats = policy_loss(logp, mbatch.old_logp, adv, mbatch.mask, alg, norm)
         if reference is not None and alg.kl_mode == "loss":  # L += beta * KL(pi || pi_ref)
-            with torch.no_grad():
-                ref_logp, _ = token_logprobs(reference, mbatch, temperature)
+            ref_logp = mbatch.ref_logp if mbatch.ref_logp is not None else logp.detach()
             kl = kl_estimate(logp, ref_logp, alg.kl_estimator)
             loss = loss + alg.kl_coef * aggregate(kl, mbatch.mask, alg.loss_agg, norm)
             stats["kl_ref"] = (kl.detach() * mbatch.mask).sum()
