@@ -50,6 +50,8 @@ bench: install
 	$(PY) bench/peer_trl.py
 	$(PY) bench/generator_throughput.py
 	$(PY) bench/async_pipeline.py
+	$(PY) bench/data_path.py
+	$(PY) bench/multi_turn_concurrency.py
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 3 bench/weight_sync.py --model tiny --rounds 20 --cycles 5
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 3 bench/weight_sync.py --model 100m
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 1 bench/trainer_throughput.py --model tiny

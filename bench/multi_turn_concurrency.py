@@ -2,9 +2,11 @@
 (multi-turn source, real vLLM engine, environment worker processes) with a lookup tool that
 sleeps a random 0-50 ms (a remote call), against the same tool without the sleep.
 
-engine_busy_share = time inside engine steps / time of the whole collection. The engine idles
-only while every live episode waits for its environment; an episode waiting for a tool never
-holds the others. Medians over --repeats collections of --prompts x --samples episodes.
+engine_busy_share = time inside engine steps / time of the whole collection; env_wait_share =
+time blocked waiting for environments with no sequence to step; the rest is the runner's own
+work (environment round trips, tokenising observations, submitting requests). An episode
+waiting for a tool never holds the others. Medians over --repeats collections of --prompts x
+--samples episodes.
 
     python bench/multi_turn_concurrency.py     (builds the tiny lookup warm start if needed)
 """
@@ -41,12 +43,15 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--model", default="", help="a trained policy directory (default: the "
+                    "lookup warm start, which calls the tool in about 0.4 of 1 episode)")
     ap.add_argument("--out", default="bench/results/multi_turn_concurrency.json")
     args = ap.parse_args()
-    path = warm_start_dir("lookup")
+    path = Path(args.model) if args.model else warm_start_dir("lookup")
     if not (path / "config.json").is_file():
         run_warm_start("lookup", path, None, torch.device("cpu"))
-    result = {"episodes_per_collection": args.prompts * args.samples, "repeats": args.repeats}
+    result = {"model": "lookup warm start" if not args.model else args.model,
+              "episodes_per_collection": args.prompts * args.samples, "repeats": args.repeats}
     engine = None
     for name, env in (("instant_tool", "lookup"),
                       ("tool_sleeps_0_50ms", "multi_turn_concurrency:SlowLookupEnv")):
@@ -68,6 +73,9 @@ def main() -> None:
         result[name] = {
             "engine_busy_share": round(statistics.median(
                 m["engine_busy_s"] / m["collect_s"] for m in runs), 3),
+            # blocked waiting for environments with nothing to generate
+            "env_wait_share": round(statistics.median(
+                m["env_s"] / m["collect_s"] for m in runs), 3),
             "collect_s": round(statistics.median(m["collect_s"] for m in runs), 3),
             "tool_calls_per_episode": round(statistics.median(
                 m["tool_calls"] / m["episodes"] for m in runs), 3),

@@ -279,6 +279,13 @@ def test_failing_environments_follow_on_error():
             [[0.0, 0.0], [0.0, 0.0]]
     finally:
         src.close()
+    src, prompts = _source("user_envs:BrokenPromptEnv", "hi", "rollout.on_error=zero")
+    try:  # an episode that never started keeps its prompt, with nothing to train on
+        got = src.collect(prompts, 1, 1.0, 0, version=0, step=0)
+        assert [g.samples[0].token_ids for g in got.groups] == [p.token_ids for p in prompts]
+        assert got.metrics["env_errors"] == 2
+    finally:
+        src.close()
 
 
 def test_tool_recipe_trains_through_the_launcher(tmp_path, cache_dir):

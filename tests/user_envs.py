@@ -74,3 +74,11 @@ class ThreeTurnEnv(Environment):
 
     def reward(self, answer):
         return float(answer == "ilk")
+
+
+class BrokenPromptEnv(Environment):
+    def prompt(self):
+        raise RuntimeError("cannot start")
+
+    def reward(self, answer):
+        return 0.0

@@ -146,6 +146,8 @@ class MultiTurnSource(RolloutSource):
                                    "and go on")
             ep = episodes[eid]
             ep.sample.finish, ep.reward = "env_error", 0.0
+            if not ep.sample.token_ids:  # it never started: its prompt, with nothing to train
+                ep.sample.add_context(prompts[ep.group].token_ids)
 
         while live:
             if engine.busy:
