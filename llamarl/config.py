@@ -12,10 +12,18 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
+from llamarl.algorithms.registry import (
+    ALGORITHMS,
+    CORRECTIONS,
+    ESTIMATORS,
+    POLICY_LOSSES,
+    is_import_path,
+)
 
 
 @dataclass
@@ -92,19 +100,35 @@ class TrainerConfig:
 
 @dataclass
 class AlgorithmConfig:
-    # Advantage estimator (llamarl/algorithms/advantages.py): grpo | dr_grpo | rloo |
-    # reinforce_pp | reinforce_pp_baseline, or ppo (a critic and GAE, llamarl/algorithms/gae.py)
+    # The algorithm (llamarl/algorithms/registry.py): grpo | dr_grpo | rloo | reinforce_pp |
+    # reinforce_pp_baseline | ppo (a critic and GAE) | gspo | cispo. It names an advantage
+    # estimator and a policy loss; either can be replaced below.
     name: str = "grpo"
+    # "" = the algorithm's; a registry name; or "module:function" (your own estimator / loss,
+    # signatures in llamarl/algorithms/registry.py)
+    advantage: str = ""
+    policy_loss: str = ""
     clip_eps: float = 0.2
+    # DAPO's clip-higher: an asymmetric clip range [1 - clip_eps_low, 1 + clip_eps_high] for
+    # ppo_clip, icepop, mis, gspo and cispo; unset = clip_eps on that side.
+    clip_eps_low: Optional[float] = None  # noqa: UP045 - omegaconf reads typing.Optional
+    clip_eps_high: Optional[float] = None  # noqa: UP045
     loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_sum_constant
     adv_eps: float = 1e-6  # added to the group std in GRPO's normalisation
     # Off-policy / mismatch correction against the behaviour policy that sampled the tokens
-    # (see llamarl/algorithms/offpolicy.py): none (PPO clip) | aipo | tis | icepop
+    # (llamarl/algorithms/policy_loss.py): none (the algorithm's loss) | aipo | tis | icepop |
+    # mis (each replaces the policy loss; do not combine with algorithm.policy_loss)
     correction: str = "none"
     is_cap: float = 2.0  # AIPO's delta / truncated IS's C: importance ratios are capped here
     tis_level: str = "token"  # token | sequence (truncated IS weight per token or per sequence)
     icepop_low: float = 0.5  # IcePop: tokens whose ratio leaves [low, high] are masked
     icepop_high: float = 2.0
+    # Masked (rejection) IS: samples or tokens whose ratio leaves [mis_low, mis_high] are
+    # masked out; mis_level: token | sequence (product of ratios) | geometric (its mean in
+    # log space, per token)
+    mis_level: str = "geometric"
+    mis_low: float = 0.5
+    mis_high: float = 2.0
     # KL to the frozen reference policy (the starting checkpoint); 0 loads no reference model.
     # Estimators: k1 | k2 | k3 (llamarl/algorithms/kl.py). kl_mode: loss (beta * KL added to the
     # loss) | reward (a per-token reward penalty -beta * KL_t, before the advantages).
@@ -269,11 +293,11 @@ _CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "trainer.master_dtype": ("float32", "bfloat16"),
     "trainer.lr_schedule": ("constant", "cosine"),
-    "algorithm.name": ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
-                       "ppo"),
+    "algorithm.name": tuple(ALGORITHMS),
     "algorithm.kl_mode": ("loss", "reward"),
     "algorithm.loss_agg": ("token_mean", "seq_mean_token_mean", "seq_sum_constant"),
-    "algorithm.correction": ("none", "aipo", "tis", "icepop"),
+    "algorithm.correction": tuple(CORRECTIONS),
+    "algorithm.mis_level": ("token", "sequence", "geometric"),
     "algorithm.tis_level": ("token", "sequence"),
     "algorithm.kl_estimator": ("k1", "k2", "k3"),
     "data.on_bad_row": ("skip", "raise"),
@@ -345,6 +369,7 @@ def validate(cfg: Config) -> Config:
     for key in ("gamma", "lam"):
         if not 0 <= getattr(cfg.algorithm, key) <= 1:
             _fail(f"algorithm.{key}", getattr(cfg.algorithm, key), "must be in [0, 1]")
+    _validate_algorithm(cfg.algorithm)
     if cfg.critic.path and cfg.algorithm.name != "ppo":
         _fail("critic.path", cfg.critic.path, "only PPO (algorithm.name=ppo) uses a critic: "
               "remove critic.path or set algorithm.name=ppo")
@@ -412,6 +437,27 @@ def _validate_data(data: DataConfig) -> None:
     if data.system_prompt and not data.chat_template:
         _fail("data.system_prompt", data.system_prompt,
               "a system prompt needs the chat template: set data.chat_template=true")
+
+
+def _validate_algorithm(alg: AlgorithmConfig) -> None:
+    for key, table in (("advantage", ESTIMATORS), ("policy_loss", POLICY_LOSSES)):
+        value = getattr(alg, key)
+        if value and value not in table and not is_import_path(value):
+            _fail(f"algorithm.{key}", value, f"use one of {', '.join(table)}, "
+                  "'module:function' or leave it empty (the algorithm's own)")
+    if alg.policy_loss and alg.correction != "none":
+        _fail("algorithm.policy_loss", alg.policy_loss,
+              f"and algorithm.correction={alg.correction} both choose the policy loss: set one")
+    if alg.advantage and ALGORITHMS[alg.name].critic:
+        _fail("algorithm.advantage", alg.advantage, f"{alg.name} takes its advantages from the "
+              "critic (GAE): leave algorithm.advantage empty")
+    for key in ("clip_eps_low", "clip_eps_high"):
+        value = getattr(alg, key)
+        if value is not None and not 0 < value <= 10:
+            _fail(f"algorithm.{key}", value, "must be in (0, 10] (or unset: clip_eps)")
+    if not 0 <= alg.mis_low < 1 < alg.mis_high:
+        _fail("algorithm.mis_low/high", [alg.mis_low, alg.mis_high],
+              "need 0 <= mis_low < 1 < mis_high")
 
 
 def _validate_rollout(cfg: Config) -> None:
@@ -490,13 +536,22 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] = ()) -> 
     layers = [base]
     if recipe is not None:
         path = Path(recipe)
+        if path.is_dir():
+            raise ValueError(f"recipe {str(path)!r} is a directory: pass the path of a YAML "
+                             "file in it, for example recipes/tiny_grpo_cpu.yaml")
         if not path.is_file():
             raise ValueError(f"recipe {str(path)!r} not found: pass the path of a YAML file, "
                              "for example recipes/tiny_grpo_cpu.yaml")
         try:
-            layers.append(OmegaConf.load(path))
+            loaded = OmegaConf.load(path)
         except Exception as e:  # yaml syntax errors
             raise ValueError(f"recipe {str(path)!r} is not valid YAML: {e}") from None
+        if not OmegaConf.is_dict(loaded):
+            what = "list" if OmegaConf.is_list(loaded) else "scalar"
+            raise ValueError(f"recipe {str(path)!r} is a YAML {what}, not a mapping of "
+                             "sections: write it as 'run:', 'model:', ... keys (see "
+                             "recipes/tiny_grpo_cpu.yaml)")
+        layers.append(loaded)
     for item in overrides:
         if "=" not in item:
             raise ValueError(f"override {item!r} is not key=value: write for example run.steps=5")

@@ -135,3 +135,12 @@ def test_reward_keys_load():
     assert cfg.generator.dynamic_sampling and cfg.reward.overlong_buffer == 4
     only_rm = load_config(None, ["reward.functions=[]", "reward.model_path=/some/rm"])
     assert only_rm.reward.functions == []
+
+
+def test_recipe_that_is_a_list_or_a_directory_is_a_one_line_error(tmp_path):
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- run:\n    steps: 3\n")
+    with pytest.raises(ValueError, match="is a YAML list, not a mapping of sections"):
+        load_config(listed)
+    with pytest.raises(ValueError, match="is a directory: pass the path of a YAML file"):
+        load_config(tmp_path)

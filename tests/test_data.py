@@ -272,3 +272,14 @@ def test_loader_state_restores_the_exact_continuation(drawn):
     assert b.next(9) == expected
     with pytest.raises(ValueError, match="data position is for prompt shard"):
         PromptLoader(prompts, seed=3, shard_index=0, shards=2).load_state_dict(state)
+
+
+def test_a_file_that_is_not_parquet_is_named_in_one_line(tmp_path):
+    from llamarl.data.sources import column_names, read_rows
+
+    fake = tmp_path / "train.parquet"
+    fake.write_text('{"prompt": "x"}\n')
+    for read in (lambda: column_names(fake), lambda: list(read_rows(fake))):
+        with pytest.raises(ValueError, match=r"train.parquet' is not a readable Parquet file .*"
+                                             r"give it the suffix of its real format"):
+            read()

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+from llamarl.algorithms.registry import ESTIMATORS, resolve
 
 
 def _group_centered(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -50,23 +50,41 @@ def _whiten(values: torch.Tensor, weights: torch.Tensor, eps: float,
     return (values - mu) / (var.sqrt() + eps)
 
 
+def grpo(rewards, group_ids, lengths, eps=1e-6, all_reduce_sum=lambda t: t):
+    centered, std, _ = _group_centered(rewards, group_ids)
+    return centered / (std + eps)
+
+
+def dr_grpo(rewards, group_ids, lengths, eps=1e-6, all_reduce_sum=lambda t: t):
+    return _group_centered(rewards, group_ids)[0]
+
+
+def rloo(rewards, group_ids, lengths, eps=1e-6, all_reduce_sum=lambda t: t):
+    centered, _, size = _group_centered(rewards, group_ids)
+    return centered * size / (size - 1).clamp(min=1)
+
+
+def reinforce_pp(rewards, group_ids, lengths, eps=1e-6, all_reduce_sum=lambda t: t):
+    return _whiten(rewards.float(), lengths, eps, all_reduce_sum)
+
+
+def reinforce_pp_baseline(rewards, group_ids, lengths, eps=1e-6, all_reduce_sum=lambda t: t):
+    return _whiten(_group_centered(rewards, group_ids)[0], lengths, eps, all_reduce_sum)
+
+
 def compute_advantages(name: str, rewards: torch.Tensor, group_ids: torch.Tensor,
                        lengths: torch.Tensor, eps: float = 1e-6,
                        all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
                        ) -> torch.Tensor:
-    """rewards, group_ids, lengths (completion tokens): [B] -> advantages [B]."""
-    centered, std, size = _group_centered(rewards, group_ids)
-    if name == "grpo":
-        return centered / (std + eps)
-    if name == "dr_grpo":
-        return centered
-    if name == "rloo":
-        return centered * size / (size - 1).clamp(min=1)
-    if name == "reinforce_pp":
-        return _whiten(rewards.float(), lengths, eps, all_reduce_sum)
-    if name == "reinforce_pp_baseline":
-        return _whiten(centered, lengths, eps, all_reduce_sum)
-    raise ValueError(f"algorithm.name {name!r}: use one of {', '.join(ESTIMATORS)}")
+    """rewards, group_ids, lengths (sampled tokens): [B] -> advantages [B], by the estimator
+    `name` (a registry key or "module:function", llamarl/algorithms/registry.py)."""
+    fn = resolve(name, ESTIMATORS, "algorithm.advantage")
+    out = fn(rewards, group_ids, lengths, eps, all_reduce_sum)
+    if not (isinstance(out, torch.Tensor) and out.shape == rewards.shape):
+        raise ValueError(f"algorithm.advantage {name!r} returned "
+                         f"{getattr(out, 'shape', type(out).__name__)}, not a tensor of shape "
+                         f"{tuple(rewards.shape)} (one advantage per sample)")
+    return out.float()
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor,

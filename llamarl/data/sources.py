@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,7 +69,8 @@ def column_names(path: str | Path) -> list[str] | None:
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
-        return list(pq.read_schema(path).names)
+        with _readable(path, "Parquet"):
+            return list(pq.read_schema(path).names)
     if fmt == "arrow_dir":
         files = _arrow_files(Path(path))
         return list(_read_arrow_file(files[0]).schema.names) if files else []
@@ -85,7 +87,9 @@ def read_rows(path: str | Path, columns: list[str] | None = None
     elif fmt == "parquet":
         import pyarrow.parquet as pq
 
-        yield from enumerate(pq.read_table(path, columns=columns).to_pylist(), start=1)
+        with _readable(path, "Parquet"):
+            table = pq.read_table(path, columns=columns)
+        yield from enumerate(table.to_pylist(), start=1)
     else:
         n = 0
         for f in _arrow_files(Path(path)):
@@ -109,6 +113,20 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict | BadRow]]:
                 continue
             yield number, row if isinstance(row, dict) else BadRow(
                 f"a JSON {type(row).__name__}, not an object")
+
+
+@contextmanager
+def _readable(path, kind: str):
+    """Turn a reader's error on a damaged or mislabelled file into one line naming it."""
+    import pyarrow as pa
+
+    try:
+        yield
+    except (pa.ArrowException, OSError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ValueError(f"{str(path)!r} is not a readable {kind} file ({first}): check the "
+                         "file, or give it the suffix of its real format (.jsonl, .parquet)"
+                         ) from None
 
 
 def _arrow_files(path: Path) -> list[Path]:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from llamarl.algorithms.registry import ALGORITHMS
 from llamarl.buffer.channel import open_channel
 from llamarl.buffer.record import RolloutBatch
 from llamarl.launch.cores import threads_for
@@ -130,7 +131,7 @@ def run_trainer(rt: Runtime) -> None:
                             cfg.generator.temperature, cfg.algorithm.entropy_coef > 0)
     reference = load_reference(cfg, model_path, mesh, rt.device)
     critic = (build_critic(cfg, model_path, mesh, rt.device, opt_steps, T)
-              if cfg.algorithm.name == "ppo" else None)
+              if ALGORITHMS[cfg.algorithm.name].critic else None)
     reward_model = build_reward_model(cfg, tokenizer, mesh, rt.device)
     if reward_model is not None:
         log(rt, f"reward model {cfg.reward.model_path} sharded over {T} trainer rank(s)")

@@ -30,6 +30,7 @@ from llamarl.algorithms.advantages import compute_advantages
 from llamarl.algorithms.gae import gae, masked_whiten, reward_to_go, token_rewards, value_loss
 from llamarl.algorithms.kl import kl_estimate
 from llamarl.algorithms.policy_loss import aggregate, policy_loss
+from llamarl.algorithms.registry import ALGORITHMS, advantage_name
 from llamarl.buffer.record import RolloutBatch
 from llamarl.trainer import critic as critic_mod
 from llamarl.trainer.policy import TokenBatch, pad_rollouts, token_logprobs
@@ -54,10 +55,12 @@ def policy_step(trainer: PolicyTrainer, batch: RolloutBatch | None, cfg, pad_id:
     rewards = batch.rewards.float() if n else torch.zeros(0)
     kl_reward = reference is not None and alg.kl_mode == "reward"
     kl_sum = torch.zeros(())
-    if alg.name != "ppo":
-        adv_seq = compute_advantages(
-            alg.name, rewards, batch.group_ids if n else torch.zeros(0, dtype=torch.long),
-            batch.sampled_tokens() if n else torch.zeros(0), alg.adv_eps, _all_reduce_sum)
+    gae_advantages = ALGORITHMS[alg.name].critic  # PPO: per-token advantages from the critic
+    if not gae_advantages:
+        gids = batch.group_ids if n else torch.zeros(0, dtype=torch.long)
+        lengths = batch.sampled_tokens() if n else torch.zeros(0)
+        adv_seq = compute_advantages(advantage_name(alg), rewards, gids, lengths, alg.adv_eps,
+                                     _all_reduce_sum)
         if full is not None:
             full.advantages = adv_seq
     if reference is not None or critic is not None:
@@ -66,7 +69,7 @@ def policy_step(trainer: PolicyTrainer, batch: RolloutBatch | None, cfg, pad_id:
         ref_logp, v = _prepare(trainer, full, blank, mb, reference, critic)
         if full is not None:
             full.ref_logp = ref_logp
-    if alg.name == "ppo" or kl_reward:
+    if gae_advantages or kl_reward:
         # GAE's backward recursion is one loop over T for all sequences
         m = full.mask if full is not None else torch.zeros(0, 1)
         kl = None
@@ -77,7 +80,7 @@ def policy_step(trainer: PolicyTrainer, batch: RolloutBatch | None, cfg, pad_id:
             kl = kl_estimate(old, ref_logp, alg.kl_estimator)
         if kl is not None:
             kl_sum = (kl * m).sum()
-        if alg.name == "ppo":
+        if gae_advantages:
             adv, ret = gae(token_rewards(rewards, m, kl, alg.kl_coef), v, m, alg.gamma, alg.lam)
             if alg.whiten_advantages:  # over the completion tokens of every trainer rank
                 keep = m > 0
