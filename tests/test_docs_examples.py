@@ -1,5 +1,5 @@
-"""The worked examples of docs/algorithms.md ("Add an algorithm") and docs/rewards.md ("Add a
-reward"), copied out of the pages as written and trained with through the launcher."""
+"""The worked examples of docs/add_algorithm.md and docs/add_reward.md, copied out of the
+pages as written and trained with through the launcher."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ def code_block(page: str, first_line: str) -> str:
 def test_docs_examples_train(tmp_path, cache_dir):
     mods = tmp_path / "mods"
     mods.mkdir()
-    (mods / "my_algorithms.py").write_text(code_block("docs/algorithms.md",
+    (mods / "my_algorithms.py").write_text(code_block("docs/add_algorithm.md",
                                                       "# my_algorithms.py"))
-    (mods / "my_rewards.py").write_text(code_block("docs/rewards.md", "# my_rewards.py"))
+    (mods / "my_rewards.py").write_text(code_block("docs/add_reward.md", "# my_rewards.py"))
     out = tmp_path / "runs"
     proc = torchrun(3, ["-m", "llamarl.launch", "recipes/tiny_grpo_cpu.yaml", "run.steps=2",
                         "run.eval_every=0", "data.eval_prompts=16", f"run.output_dir={out}",

@@ -196,7 +196,9 @@ def test_plot_writes_charts_and_a_chrome_trace(finished_run):
     assert {e["tid"] for e in trace["traceEvents"]} == {0, 1, 2}
 
 
-CPU_RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*_cpu.yaml"))
+# tiny_tool_cpu.yaml runs through the launcher in test_multi_turn.py, with its own checks
+CPU_RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*_cpu.yaml")
+                     if p.name != "tiny_tool_cpu.yaml")
 
 
 @pytest.mark.parametrize("recipe", CPU_RECIPES)
@@ -233,3 +235,46 @@ def test_bfloat16_compute_with_float32_master_weights(tmp_path, cache_dir):
     assert all(r["mismatch_kl"] < 1e-3 for r in rows), [r["mismatch_kl"] for r in rows]
     with safe_open(str(run / "policy" / "model.safetensors"), "pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+
+
+def test_sigterm_to_the_launcher_says_the_job_was_stopped(tmp_path, cache_dir):
+    """scancel / kill of torchrun: every rank says the job was stopped (not that a peer
+    failed), exits, and leaves no shared memory behind."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
+           "-m", "llamarl.launch", RECIPE, "run.steps=200", "run.eval_every=0",
+           f"run.output_dir={tmp_path}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(LLAMARL_CACHE=str(cache_dir)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:  # until training has started
+            runs = run_dirs(tmp_path)
+            if runs and (runs[0] / "metrics.jsonl").exists():
+                break
+            time.sleep(0.5)
+        run_id = runs[0].name.split("-", 2)[-1]
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert "stopped by the launcher (SIGTERM): the job was stopped" in err, err[-3000:]
+    assert "a peer failed" not in err
+    assert not list(Path("/dev/shm").glob(f"llamarl_{run_id}*"))
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("run.output_dir=/proc/llamarl-test", "cannot set up the run directory under "
+                                          "run.output_dir '/proc/llamarl-test'"),
+    ("run.resume=/nonexistent/run", "run.resume '/nonexistent/run' is neither a checkpoint"),
+])
+def test_setup_failure_on_rank_0_is_one_line_on_every_rank(override, expected):
+    t0 = time.monotonic()
+    proc = torchrun(3, ["-m", "llamarl.launch", RECIPE, override], timeout=120)
+    assert proc.returncode != 0
+    assert f"rank 0: error: {expected}" in proc.stderr, proc.stderr[-3000:]
+    # the peers stop naming the cause, not "rank 0 died"
+    assert f"stopping: rank 0 (trainer 0): {expected[:40]}" in proc.stderr, proc.stderr[-3000:]
+    assert "llamarl/launch/runtime.py" not in proc.stderr  # no traceback of ours
+    assert time.monotonic() - t0 < 60

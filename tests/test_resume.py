@@ -68,6 +68,15 @@ def test_resume_continues_exactly(tmp_path, cache_dir):
     kept = sorted(p.name for p in (first / "checkpoints").iterdir())
     assert kept == ["step_00000003", "step_00000006"], kept  # keep 2, partial removed
 
+    # A resume that fails (here: nothing left to run) leaves the run's files as they were.
+    files = {f: (first / f).read_text() for f in ("recipe.yaml", "model.json")}
+    cmd = [sys.executable, "-m", "llamarl.launch", RECIPE, f"run.output_dir={split}", *COMMON,
+           "run.steps=6", "run.resume=auto", "trainer.lr=0.5"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(LLAMARL_CACHE=cache_dir),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and "already run.steps = 6" in proc.stderr, proc.stderr[-2000:]
+    assert {f: (first / f).read_text() for f in files} == files
+
 
 def test_ppo_resume_restores_the_critic(tmp_path, cache_dir):
     """PPO's checkpoint carries the critic, its optimizer and schedule: 4 steps straight ==

@@ -64,9 +64,14 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(SILENT_RANK_GRACE_S)
         return 2
 
-    from llamarl.launch.runtime import setup  # heavy imports start here
+    from llamarl.launch.runtime import SetupError, setup  # heavy imports start here
 
-    rt = setup(cfg, layout, env)
+    try:
+        rt = setup(cfg, layout, env)
+    except SetupError as e:  # reported to the peers already; they stop naming it
+        print(f"llamarl: rank {env.rank}: error: {e}", file=sys.stderr, flush=True)
+        time.sleep(SILENT_RANK_GRACE_S)  # the peers read the report from the store first
+        return 1
     try:
         if rt.role.role == "trainer":
             from llamarl.trainer.loop import run_trainer

@@ -1,4 +1,6 @@
 """The rank layout: which global rank plays which role. A pure function, unit-tested.
+The whole picture (layout, process groups, one rollout, one weight update):
+docs/architecture.md.
 
     world ranks:  [ trainer 0 .. T-1 | engine 0 (tp ranks) | engine 1 (tp ranks) | ... ]
 

@@ -106,21 +106,16 @@ def setup(cfg: Config, layout: Layout, env: DistEnv) -> Runtime:
     watchdog.start()
 
     if env.rank == 0:
-        run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
-        resume = _resume_point(cfg)
-        if resume is not None:  # continue in the run directory of the checkpoint
-            run_dir = resume.parent.parent
-            store.set("resume", json.dumps({"checkpoint": str(resume), **json.loads(
-                (resume / "meta.json").read_text())}))
-        else:
-            run_dir = Path(cfg.run.output_dir).resolve() / f"{cfg.run.name}-{run_id}"
-            run_dir.mkdir(parents=True, exist_ok=False)
-            store.set("resume", "{}")
-        (run_dir / "recipe.yaml").write_text(config_to_yaml(cfg))
-        (run_dir / "layout.json").write_text(json.dumps({
-            "world_size": layout.world_size, "trainer_ranks": layout.trainer_ranks,
-            "engines": layout.engines, "tp": layout.tp, "launcher": env.launcher}, indent=1))
-        store.set("run", json.dumps({"id": run_id, "dir": str(run_dir)}))
+        try:
+            _make_run_dir(cfg, layout, env, store)
+        except Exception as e:  # a bad output_dir or resume path: one line, for every rank
+            what = (str(e).strip().splitlines() or [""])[0]
+            message = (what if isinstance(e, ValueError) else
+                       f"cannot set up the run directory under run.output_dir "
+                       f"{cfg.run.output_dir!r} ({type(e).__name__}: {what}): choose a "
+                       "writable run.output_dir")
+            watchdog.report_failure(message)
+            raise SetupError(message) from None
     rt_info = json.loads(wait_for(store, "run", watchdog))
     rt = Runtime(cfg, layout, role, env, store, prefix, rt_info["id"], Path(rt_info["dir"]),
                  device, watchdog, hosts_store)
@@ -130,6 +125,30 @@ def setup(cfg: Config, layout: Layout, env: DistEnv) -> Runtime:
                                 "pid": os.getpid(), "device": str(device)}) + "\n")
     watchdog.cleanups.append(rt.cleanup_shared_memory)
     return rt
+
+
+class SetupError(RuntimeError):
+    """Setting up the run failed on this rank; the message is the one line to print."""
+
+
+def _make_run_dir(cfg: Config, layout: Layout, env: DistEnv, store) -> None:
+    """Rank 0: the run directory (new, or the resumed run's) and its first files, published
+    in the store for every rank."""
+    run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+    resume = _resume_point(cfg)
+    if resume is not None:  # continue in the run directory of the checkpoint
+        run_dir = resume.parent.parent
+        store.set("resume", json.dumps({"checkpoint": str(resume), **json.loads(
+            (resume / "meta.json").read_text())}))
+    else:
+        run_dir = Path(cfg.run.output_dir).resolve() / f"{cfg.run.name}-{run_id}"
+        run_dir.mkdir(parents=True, exist_ok=False)
+        store.set("resume", "{}")
+        (run_dir / "recipe.yaml").write_text(config_to_yaml(cfg))  # a resume: once loaded
+    (run_dir / "layout.json").write_text(json.dumps({
+        "world_size": layout.world_size, "trainer_ranks": layout.trainer_ranks,
+        "engines": layout.engines, "tp": layout.tp, "launcher": env.launcher}, indent=1))
+    store.set("run", json.dumps({"id": run_id, "dir": str(run_dir)}))
 
 
 def _resume_point(cfg: Config) -> Path | None:

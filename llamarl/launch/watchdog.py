@@ -120,7 +120,9 @@ class Watchdog:
         return None
 
     def _on_sigterm(self, signum, frame) -> None:
-        why, store = "a peer failed", None
+        # No peer died and none reported a failure: the launcher was told to stop the job
+        # (scancel, Ctrl-C or SIGTERM to torchrun), which is not a failure of any rank.
+        why, store = "the job was stopped", None
         try:
             store = self._store_main()
             store.set(f"done/{self.rank}", "terminated")  # a casualty, not the cause

@@ -1,4 +1,5 @@
-"""Cross-role process groups, built directly on a shared TCPStore (docs/generator.md).
+"""Cross-role process groups, built directly on a shared TCPStore (docs/architecture.md,
+docs/generator.md).
 
 vLLM builds its own torch.distributed world inside an engine, so a generator process never joins a
 world-wide default process group. Every group that spans roles (weight broadcast, control) is

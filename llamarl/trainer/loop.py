@@ -85,6 +85,16 @@ def open_weight_sender(rt: Runtime, model: torch.nn.Module) -> WeightSender:
     return sender
 
 
+def write_run_files(rt: Runtime, model_path: str, recipe: bool = True) -> None:
+    """The run directory's model.json and recipe.yaml (what this run trains, as launched)."""
+    from llamarl.config import config_to_yaml
+
+    if recipe:
+        (rt.run_dir / "recipe.yaml").write_text(config_to_yaml(rt.cfg))
+    (rt.run_dir / "model.json").write_text(json.dumps({"spec": rt.cfg.model.path,
+                                                        "path": model_path}))
+
+
 def check_tokenizer(tokenizer, model_path: str) -> None:
     """Start-up check: RL needs completions that can end and batches that can be padded."""
     if tokenizer.eos_token_id is None:
@@ -118,8 +128,8 @@ def run_trainer(rt: Runtime) -> None:
     model_path = resolve_model_path(rt, mesh)
     if r == 0:
         rt.store.set("model/path", model_path)
-        (rt.run_dir / "model.json").write_text(json.dumps({"spec": cfg.model.path,
-                                                            "path": model_path}))
+    if r == 0 and not rt.resume:
+        write_run_files(rt, model_path, recipe=False)  # setup wrote recipe.yaml
     model = load_policy(model_path, cfg.trainer.master_dtype).to(rt.device)
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -162,6 +172,8 @@ def run_trainer(rt: Runtime) -> None:
             raise ValueError(f"the checkpoint {resume['checkpoint']} is at step {version}, "
                              f"already run.steps = {cfg.run.steps}: raise run.steps to continue")
         log(rt, f"resumed from {resume['checkpoint']} at step {meta['step']}")
+        if r == 0:  # only now: a resume that fails leaves the run's files as they were
+            write_run_files(rt, model_path)
         sender.publish(model, version)  # generators continue from the restored policy
     run_t0 = time.perf_counter()
     for step in range(version, cfg.run.steps):
