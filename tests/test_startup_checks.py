@@ -66,3 +66,26 @@ def test_nan_loss_skips_steps_then_stops_the_run():
         assert torch.equal(v, before[k]), "a skipped step must not touch the weights"
     with pytest.raises(RuntimeError, match="NaN/inf for 3 steps in a row"):
         trainer.step(mb, nan_loss)
+
+
+def test_checkpoint_failures_name_the_cause_in_one_line(tmp_path):
+    """DCP's CheckpointException holds every rank's traceback; the user gets the cause (a
+    shape mismatch when resuming another model, a full disk) and the fix in one line."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from llamarl.trainer.checkpoint import _one_line_errors
+
+    dcp.save({"model": torch.nn.Linear(4, 4).state_dict()}, checkpoint_id=str(tmp_path))
+    with pytest.raises(RuntimeError) as info:
+        with _one_line_errors("loading checkpoint", tmp_path):
+            dcp.load({"model": torch.nn.Linear(4, 8).state_dict()}, checkpoint_id=str(tmp_path))
+    msg = str(info.value)
+    assert "\n" not in msg and "Size mismatch" in msg and "resume with the model.path" in msg
+    with pytest.raises(RuntimeError, match="No space left on device: free disk space"):
+        with _one_line_errors("writing checkpoint", tmp_path):
+            from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+            try:
+                raise OSError(28, "No space left on device")
+            except OSError as e:
+                raise CheckpointException("failed", {0: _wrap_exception(e)}) from None

@@ -29,11 +29,13 @@ import json
 import os
 import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 PARTIAL = ".partial"
@@ -83,7 +85,8 @@ def save(run_dir: Path, step: int, model, optimizer, scheduler, meta: dict, keep
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    dcp.save(_state(model, optimizer, critic), checkpoint_id=str(tmp))
+    with _one_line_errors("writing checkpoint", tmp):
+        dcp.save(_state(model, optimizer, critic), checkpoint_id=str(tmp))
     torch.save(torch.get_rng_state(), tmp / f"rng_rank{rank}.pt")
     dist.barrier()  # every rank's shards are on disk
     if rank == 0:
@@ -114,7 +117,8 @@ def load(path: Path, model, optimizer, scheduler, critic=None) -> dict:
         raise ValueError(f"checkpoint {path} has no critic (it was not written by a PPO run): "
                          "resume it with the algorithm it was trained with")
     state = _state(model, optimizer, critic)
-    dcp.load(state, checkpoint_id=str(path))
+    with _one_line_errors("loading checkpoint", path):
+        dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
     scheduler.load_state_dict(meta["scheduler"])
@@ -126,6 +130,28 @@ def load(path: Path, model, optimizer, scheduler, critic=None) -> dict:
     if rng.exists():
         torch.set_rng_state(torch.load(rng))
     return meta
+
+
+@contextmanager
+def _one_line_errors(what: str, path: Path):
+    """DCP reports any rank's failure as `CheckpointException ranks:dict_keys([0, 1])` with
+    every rank's traceback (hundreds of lines); say the cause and the fix in one line."""
+    try:
+        yield
+    except CheckpointException as e:
+        ranks = sorted(e.failures)
+        exc = e.failures[ranks[0]][0] if ranks else e
+        cause = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        text = cause.lower()
+        if "no space left" in text:
+            fix = "free disk space under run.output_dir or lower run.keep_checkpoints"
+        elif "size mismatch" in text or "shape" in text or "missing key" in text:
+            fix = ("the checkpoint holds another model's weights: resume with the model.path "
+                   "(and algorithm) it was written with, or start a new run")
+        else:
+            fix = "check the checkpoint directory and the filesystem"
+        raise RuntimeError(f"{what} {path} failed on trainer rank(s) {ranks}: "
+                           f"{type(exc).__name__}: {cause}: {fix}") from None
 
 
 def remove_partials(run_dir: Path) -> list[Path]:
