@@ -34,7 +34,9 @@ class RunConfig:
     steps: int = 10  # trainer optimizer steps (one rollout batch each)
     eval_every: int = 0  # 0: evaluate only before and after training
     log_every: int = 1
-    checkpoint_every: int = 0  # trainer steps between sharded checkpoints; 0 = none
+    # trainer steps between sharded checkpoints (and one at the end); 0 = none. A job the
+    # launcher restarts resumes from the newest by itself (docs/operations.md)
+    checkpoint_every: int = 50
     keep_checkpoints: int = 2  # newest complete checkpoints kept
     resume: str = ""  # "" = new run; "auto" = newest checkpoint of runs named run.name; or a path
 

@@ -172,3 +172,43 @@ def test_kill_during_checkpoint_write_resumes_from_the_last_complete_one(tmp_pat
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # step 2 died before its row was written
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000003", "step_00000004"]
+
+
+def test_a_restarted_job_resumes_by_itself(tmp_path, cache_dir):
+    """torchrun --max-restarts 1, a trainer rank SIGKILLed mid-run: the restarted world
+    resumes from the last complete checkpoint in the same run directory, by itself, and ends
+    with the weights of an uninterrupted run (on-policy)."""
+    steps = ["run.steps=10", "run.checkpoint_every=3"]
+    straight = tmp_path / "straight"
+    launch(straight, cache_dir, *steps)
+    out = tmp_path / "restarted"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
+           "--max-restarts=1", "-m", "llamarl.launch", RECIPE, f"run.output_dir={out}", *COMMON,
+           *steps]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(LLAMARL_CACHE=cache_dir),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        killed = None
+        while killed is None and time.monotonic() < deadline:
+            runs = [p for p in out.iterdir() if p.is_dir()] if out.exists() else []
+            metrics = runs[0] / "metrics.jsonl" if runs else None
+            if metrics is not None and metrics.exists() and \
+                    len(metrics.read_text().splitlines()) >= 4:
+                ranks = [json.loads(x) for x in (runs[0] / "ranks.jsonl").read_text().splitlines()]
+                killed = next(r["pid"] for r in ranks if r["role"] == "trainer 1")
+                os.kill(killed, signal.SIGKILL)
+            time.sleep(0.05)
+        _, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert killed is not None, "the run never reached step 4"
+    assert proc.returncode == 0, err[-4000:]
+    assert "restart 1 of the job: resuming from" in err and "by itself" in err, err[-3000:]
+    run = only_run(out)  # the same run directory
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    wa = load_file(only_run(straight) / "policy" / "model.safetensors")
+    wb = load_file(run / "policy" / "model.safetensors")
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= TOLERANCE

@@ -20,7 +20,9 @@ class DistEnv:
     master_addr: str
     master_port: int
     launcher: str  # "torchrun" | "slurm"
-    restart: int = 0  # torchrun restart attempt; namespaces the store keys
+    # the launcher's restart attempt (torchrun --max-restarts, Slurm requeue): namespaces the
+    # store keys; a restarted job resumes by itself (launch/runtime.py)
+    restart: int = 0
 
     @property
     def agent_store(self) -> bool:
@@ -61,5 +63,5 @@ def from_environ(environ: dict | None = None) -> DistEnv | None:
         return DistEnv(rank=int(env["SLURM_PROCID"]), world_size=world,
                        local_rank=int(env.get("SLURM_LOCALID", "0")),
                        local_world_size=world // nodes, master_addr=addr, master_port=port,
-                       launcher="slurm")
+                       launcher="slurm", restart=int(env.get("SLURM_RESTART_COUNT", "0")))
     return None

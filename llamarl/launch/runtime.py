@@ -107,7 +107,7 @@ def setup(cfg: Config, layout: Layout, env: DistEnv) -> Runtime:
 
     if env.rank == 0:
         try:
-            _make_run_dir(cfg, layout, env, store)
+            _make_run_dir(cfg, layout, env, store, raw)
         except Exception as e:  # a bad output_dir or resume path: one line, for every rank
             what = (str(e).strip().splitlines() or [""])[0]
             message = (what if isinstance(e, ValueError) else
@@ -131,18 +131,21 @@ class SetupError(RuntimeError):
     """Setting up the run failed on this rank; the message is the one line to print."""
 
 
-def _make_run_dir(cfg: Config, layout: Layout, env: DistEnv, store) -> None:
-    """Rank 0: the run directory (new, or the resumed run's) and its first files, published
-    in the store for every rank."""
+def _make_run_dir(cfg: Config, layout: Layout, env: DistEnv, store, raw) -> None:
+    """Rank 0: the run directory (new, the resumed run's, or after a restart of the job the
+    failed attempt's) and its first files, published in the store for every rank."""
     run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
-    resume = _resume_point(cfg)
+    resume, run_dir = _resume_point(cfg), None
+    if resume is None and not cfg.run.resume and env.restart > 0:
+        resume, run_dir = _restart_point(cfg, env, raw)
     if resume is not None:  # continue in the run directory of the checkpoint
         run_dir = resume.parent.parent
         store.set("resume", json.dumps({"checkpoint": str(resume), **json.loads(
             (resume / "meta.json").read_text())}))
     else:
-        run_dir = Path(cfg.run.output_dir).resolve() / f"{cfg.run.name}-{run_id}"
-        run_dir.mkdir(parents=True, exist_ok=False)
+        if run_dir is None:
+            run_dir = Path(cfg.run.output_dir).resolve() / f"{cfg.run.name}-{run_id}"
+            run_dir.mkdir(parents=True, exist_ok=False)
         store.set("resume", "{}")
         (run_dir / "recipe.yaml").write_text(config_to_yaml(cfg))  # a resume: once loaded
     (run_dir / "layout.json").write_text(json.dumps({
@@ -151,16 +154,52 @@ def _make_run_dir(cfg: Config, layout: Layout, env: DistEnv, store) -> None:
     store.set("run", json.dumps({"id": run_id, "dir": str(run_dir)}))
 
 
+def _restart_point(cfg: Config, env: DistEnv, raw) -> tuple[Path | None, Path | None]:
+    """After the launcher restarted the job (torchrun --max-restarts, Slurm requeue): the
+    newest complete checkpoint of the failed attempt's run directory and that directory.
+    torchrun's agent store outlives the attempts, so the directory is read from the last
+    attempt's keys; under Slurm the store is new and the run is found by name."""
+    from llamarl.trainer.checkpoint import find_resume, latest
+    from llamarl.trainer.metrics import truncate_after
+
+    run_dir = None
+    for attempt in range(env.restart - 1, -1, -1):
+        key = f"llamarl/{attempt}/run"
+        if env.agent_store and raw.check([key]):
+            run_dir = Path(json.loads(raw.get(key))["dir"])
+            break
+    found = (latest(run_dir) if run_dir is not None else
+             find_resume("auto", Path(cfg.run.output_dir).resolve(), cfg.run.name))
+    if found is not None:
+        print(f"llamarl: restart {env.restart} of the job: resuming from {found} by itself "
+              f"(a checkpoint every run.checkpoint_every = {cfg.run.checkpoint_every} steps)",
+              file=sys.stderr, flush=True)
+        return _continue_from(found), None
+    if run_dir is not None and run_dir.is_dir():
+        truncate_after(run_dir, -1)  # nothing to keep: start over in the same directory
+        print(f"llamarl: restart {env.restart} of the job: no complete checkpoint yet, "
+              f"starting over in {run_dir}", file=sys.stderr, flush=True)
+        return None, run_dir
+    return None, None
+
+
 def _resume_point(cfg: Config) -> Path | None:
     if not cfg.run.resume:
         return None
-    from llamarl.trainer.checkpoint import find_resume, remove_partials
+    from llamarl.trainer.checkpoint import find_resume
 
     found = find_resume(cfg.run.resume, Path(cfg.run.output_dir).resolve(), cfg.run.name)
     if found is None:
         print(f"llamarl: run.resume=auto found no complete checkpoint of '{cfg.run.name}' under "
               f"{cfg.run.output_dir}: starting a new run", file=sys.stderr, flush=True)
         return None
+    return _continue_from(found)
+
+
+def _continue_from(found: Path) -> Path:
+    """Make the run directory of checkpoint `found` ready to continue from it."""
+    from llamarl.trainer.checkpoint import remove_partials
+
     for partial in remove_partials(found.parent.parent):  # the run we continue in
         print(f"llamarl: removed the half-written checkpoint {partial} (a crash left it)",
               file=sys.stderr, flush=True)
