@@ -257,6 +257,10 @@ class SyncConfig:
     # meanwhile, so nothing idles in steady state; max_staleness stays the bound for batches
     # made while the buffer is empty (a slow generator). false: always run max_staleness ahead.
     prefer_fresh: bool = True
+    # Bitwise-reproducible asynchronous runs: batch b is always sampled from the first version
+    # >= b - max_staleness, however fast each side runs (no fresher weights taken early, no
+    # prefer_fresh). Costs the overlap of loading weights that arrived early.
+    deterministic: bool = False
     bucket_mb: int = 64  # flat-buffer size per weight-sync message (pipelined with packing)
     # A shard this large is sent alone, straight from the trainer's parameter into the
     # engine's (no copy at either end); smaller ones are packed into buckets and copied.

@@ -78,3 +78,20 @@ def test_two_host_launch_moves_rollouts_and_weights_across_hosts(tmp_path, cache
     assert layout["world_size"] == 2
     hosts = [json.loads(x) for x in (run / "ranks.jsonl").read_text().splitlines()]
     assert sorted(h["role"] for h in hosts) == ["generator 0", "trainer 0"]
+
+
+def test_deterministic_async_runs_are_reproducible(tmp_path, cache_dir):
+    """sync.deterministic: batch b is sampled from the first version >= b - k whatever the
+    timing, so two async runs with one seed give identical metrics (timings aside)."""
+    runs = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        proc = torchrun(2, ["-m", "llamarl.launch", "recipes/tiny_grpo_async_cpu.yaml",
+                            "run.steps=8", "sync.deterministic=true", f"run.output_dir={out}",
+                            *SMALL], timeout=600, LLAMARL_CACHE=cache_dir)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs.append(metrics_of(out)[1])
+    keys = ("reward_mean", "loss", "grad_norm", "batch_digest", "staleness_mean",
+            "behaviour_version_by_engine", "mismatch_kl", "entropy")
+    assert [[r[k] for k in keys] for r in runs[0]] == [[r[k] for k in keys] for r in runs[1]]
+    assert [r["staleness_mean"] for r in runs[0]] == [0.0] + [1.0] * 7  # exactly k = 1 old

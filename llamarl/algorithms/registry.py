@@ -21,9 +21,10 @@ Signatures (docs/algorithms.md has the maths and a worked example):
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from llamarl.imports import import_path
 
 
 @dataclass(frozen=True)
@@ -77,12 +78,7 @@ def resolve(spec: str, table: dict[str, str], key: str) -> Callable:
     path = table.get(spec, spec)
     if not is_import_path(path):
         raise ValueError(f"{key} {spec!r}: use one of {', '.join(table)} or 'module:function'")
-    module, _, attr = path.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"{key} {spec!r} cannot be imported ({e}): check the module is on "
-                         "PYTHONPATH and defines the function") from None
+    fn = import_path(path, f"{key} {spec!r}")
     if not callable(fn):
         raise ValueError(f"{key} {spec!r} is not a function")
     return fn

@@ -159,14 +159,14 @@ def run_generator(rt: Runtime) -> None:
         evaluator.run(step=0, version=0)
     # Only the leader sees the channels; tp > 1 engines (rejected by the config for now) would
     # need its decision shared with their other ranks.
-    prefer_fresh = cfg.sync.prefer_fresh and k >= 2 and leader
+    prefer_fresh = cfg.sync.prefer_fresh and k >= 2 and leader and not cfg.sync.deterministic
 
     def queued() -> bool:  # a batch of this engine still waits for the trainer
         return any(ch.unconsumed() > 0 for ch in channels)
 
     try:
         while weights.follow(need=b - k, queued=queued, prefer=fresh_version(b, k, cfg.sync.every)
-                             if prefer_fresh else None):
+                             if prefer_fresh else None, exact=cfg.sync.deterministic):
             batch = sample_batch(rt, source, loader.next, weights.version, b)
             # the loader's position right after this batch (dynamic sampling draws a varying
             # number of prompts per batch)

@@ -62,12 +62,16 @@ class WeightFollower:
                 self.next_eval += self.rt.cfg.run.eval_every
 
     def follow(self, need: int, prefer: int | None = None,
-               queued: Callable[[], bool] = lambda: False) -> bool:
+               queued: Callable[[], bool] = lambda: False, exact: bool = False) -> bool:
         """Load announced weights until version >= need, and on until version >= prefer
         while `queued()` (the trainer still has a batch of this engine to train on). False
-        once the trainer is done and its final weights are loaded (no more batches needed)."""
+        once the trainer is done and its final weights are loaded (no more batches needed).
+        `exact` (sync.deterministic): stop at the first version >= need even when newer
+        ones are announced, so the version a batch is sampled from depends on the step
+        alone, never on timing."""
         while True:
-            while broadcast_announced(self.rt.store, self.received):
+            while broadcast_announced(self.rt.store, self.received) and not (
+                    exact and self.version >= need and not self.trainer_done()):
                 self._load()  # every announced broadcast, in order (the senders wait for it)
             if self.trainer_done() and self.version >= self.final:
                 return False

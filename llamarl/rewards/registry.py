@@ -8,10 +8,10 @@ process (llamarl/rewards/sandbox.py), where one that hangs can be stopped.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
 from llamarl.config import BUILTIN_REWARDS
+from llamarl.imports import import_path
 from llamarl.rewards import verifiers
 from llamarl.tiny.task import reverse_reward
 
@@ -57,12 +57,7 @@ def resolve_builtin(name: str, format_pattern: str) -> RewardFn:
 
 def resolve_user(name: str) -> RewardFn:
     """Import `module:function` (done inside the reward worker process)."""
-    module, _, attr = name.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"reward function {name!r} cannot be imported ({e}): check the "
-                         "module is on PYTHONPATH and defines the function") from None
+    fn = import_path(name, f"reward function {name!r}")
     if not callable(fn):
         raise ValueError(f"reward function {name!r} is not callable")
     return fn

@@ -101,6 +101,28 @@ def _worker_main(conn, names: list[str], progress) -> None:
             return
 
 
+def spawn_worker(ctx, target, name: str, args: tuple, what: str):
+    """Start `target(conn, *args)` in a spawned daemon process and wait for its first
+    message: ("ready", None), or ("failed", one-line reason) raised here as a ValueError.
+    Returns (process, the parent's end of the pipe)."""
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, name=name, args=(child, *args), daemon=True)
+    proc.start()
+    child.close()
+    if not parent.poll(START_TIMEOUT_S):
+        proc.kill()
+        raise RuntimeError(f"{what} did not start within {START_TIMEOUT_S:.0f} s")
+    try:
+        status, message = parent.recv()
+    except EOFError:
+        status, message = "failed", f"it exited with code {proc.exitcode}"
+    if status != "ready":
+        proc.kill()
+        proc.join(10)
+        raise ValueError(message)
+    return proc, parent
+
+
 class UserFunctionWorker:
     """Scores batches with user reward functions `names` in a spawned worker process."""
 
@@ -115,24 +137,10 @@ class UserFunctionWorker:
         self._start()
 
     def _start(self) -> None:
-        parent, child = self._ctx.Pipe()
         self._progress = self._ctx.Array("d", 2, lock=False)  # [running call, its start time]
-        self._proc = self._ctx.Process(target=_worker_main, name="llamarl-reward-worker",
-                                       args=(child, self.names, self._progress), daemon=True)
-        self._proc.start()
-        child.close()
-        self._conn = parent
-        if not parent.poll(START_TIMEOUT_S):
-            self._kill()
-            raise RuntimeError(f"the reward worker for {self.names} did not start within "
-                               f"{START_TIMEOUT_S:.0f} s")
-        try:
-            status, message = parent.recv()
-        except EOFError:
-            status, message = "failed", f"it exited with code {self._proc.exitcode}"
-        if status != "ready":
-            self._kill()
-            raise ValueError(message)
+        self._proc, self._conn = spawn_worker(self._ctx, _worker_main, "llamarl-reward-worker",
+                                              (self.names, self._progress),
+                                              f"the reward worker for {self.names}")
 
     def _kill(self) -> None:
         if self._proc is not None and self._proc.is_alive():

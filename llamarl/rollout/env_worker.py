@@ -28,19 +28,18 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-KILL_GRACE_S = 2.0
-START_TIMEOUT_S = 120.0
+from llamarl.rewards.sandbox import KILL_GRACE_S, spawn_worker
 
 Outcome = tuple[str, object]  # ("ok", value) | ("error", message) | ("timeout", None)
 
 
 def _resolve_env(name: str):
-    from llamarl.rewards.registry import resolve_user
+    from llamarl.imports import import_path
     from llamarl.rollout.environment import Environment
 
     builtins = {"lookup": "llamarl.envs.lookup:LookupEnv",
                 "calculator": "llamarl.envs.calculator:CalculatorEnv"}
-    cls = resolve_user(builtins.get(name, name))
+    cls = import_path(builtins.get(name, name), f"rollout.env {name!r}")
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise ValueError(f"rollout.env {name!r} is not a subclass of "
                          "llamarl.rollout.Environment")
@@ -130,23 +129,9 @@ class EnvPool:
             self._start(w)
 
     def _start(self, w: int) -> None:
-        parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=_worker_main, name=f"llamarl-env-worker-{w}",
-                                 args=(child, self.env_name, self.tool_format, self.threads),
-                                 daemon=True)
-        proc.start()
-        child.close()
-        if not parent.poll(START_TIMEOUT_S):
-            proc.kill()
-            raise RuntimeError(f"the environment worker for {self.env_name!r} did not start "
-                               f"within {START_TIMEOUT_S:.0f} s")
-        try:
-            status, message = parent.recv()
-        except EOFError:
-            status, message = "failed", f"it exited with code {proc.exitcode}"
-        if status != "ready":
-            proc.kill()
-            raise ValueError(message)
+        proc, parent = spawn_worker(self._ctx, _worker_main, f"llamarl-env-worker-{w}",
+                                    (self.env_name, self.tool_format, self.threads),
+                                    f"the environment worker for {self.env_name!r}")
         self._procs[w], self._conns[w] = proc, parent
         self._last_reply[w] = time.monotonic()
 

@@ -65,9 +65,9 @@ def build_source(ctx: SourceContext) -> RolloutSource:
     if name == "multi_turn":
         from llamarl.rollout.multi_turn import MultiTurnSource
         return MultiTurnSource(ctx)
-    from llamarl.rewards.registry import resolve_user
+    from llamarl.imports import import_path
 
-    cls = resolve_user(name)
+    cls = import_path(name, f"rollout.source {name!r}")
     if not (isinstance(cls, type) and issubclass(cls, RolloutSource)):
         raise ValueError(f"rollout.source {name!r} is not a subclass of "
                          "llamarl.rollout.source.RolloutSource")
