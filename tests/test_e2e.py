@@ -278,3 +278,61 @@ def test_setup_failure_on_rank_0_is_one_line_on_every_rank(override, expected):
     assert f"stopping: rank 0 (trainer 0): {expected[:40]}" in proc.stderr, proc.stderr[-3000:]
     assert "llamarl/launch/runtime.py" not in proc.stderr  # no traceback of ours
     assert time.monotonic() - t0 < 60
+
+
+def _slurm_rank(rank: int, job: int, port: int, out: Path, cache_dir, steps: int = 2):
+    env = child_env(LLAMARL_CACHE=cache_dir, SLURM_PROCID=rank, SLURM_NTASKS=3, SLURM_NNODES=1,
+                    SLURM_LOCALID=rank, SLURM_JOB_ID=job, SLURM_JOB_NODELIST="localhost",
+                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    cmd = [sys.executable, "-m", "llamarl.launch", RECIPE, f"run.steps={steps}",
+           f"run.output_dir={out}", *SMALL]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def test_a_port_held_by_another_job_or_program_is_a_one_line_error(tmp_path, cache_dir):
+    """Slurm-style launch on a MASTER_PORT that another job's store (or another program)
+    holds: every rank of the second job fails in one line within seconds, and the first job
+    is left alone (its ranks.jsonl gains nobody)."""
+    import socket
+    import threading
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    job_a = [_slurm_rank(r, 1, port, tmp_path / "a", cache_dir, steps=200) for r in range(3)]
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            runs = run_dirs(tmp_path / "a")
+            if runs and (runs[0] / "metrics.jsonl").exists():
+                break
+            time.sleep(0.5)
+        t0 = time.monotonic()
+        job_b = [_slurm_rank(r, 2, port, tmp_path / "b", cache_dir) for r in range(3)]
+        outs = [p.communicate(timeout=120)[0] for p in job_b]
+        assert time.monotonic() - t0 < 60
+        assert all(p.returncode != 0 for p in job_b)
+        assert f"cannot host the job's store at 127.0.0.1:{port}" in outs[0], outs[0][-2000:]
+        for out in outs[1:]:
+            assert "belongs to job 1.0, not to this job (2.0)" in out, out[-2000:]
+        (run_a,) = run_dirs(tmp_path / "a")
+        assert len((run_a / "ranks.jsonl").read_text().splitlines()) == 3
+        assert all(p.poll() is None for p in job_a), "job A goes on"
+    finally:
+        for p in job_a:
+            p.kill()
+            p.communicate()
+    # a program that accepts connections and never answers
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    held = []
+    threading.Thread(target=lambda: [held.append(server.accept()) for _ in range(8)],
+                     daemon=True).start()
+    t0 = time.monotonic()
+    proc = _slurm_rank(1, 3, server.getsockname()[1], tmp_path / "c", cache_dir)
+    out = proc.communicate(timeout=120)[0]
+    server.close()
+    assert proc.returncode != 0 and "answers but is not a llamarl job store" in out, out[-2000:]
+    assert time.monotonic() - t0 < 60

@@ -68,10 +68,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         rt = setup(cfg, layout, env)
-    except SetupError as e:  # reported to the peers already; they stop naming it
+    except SetupError as e:  # reported to the peers when a store was reached
         print(f"llamarl: rank {env.rank}: error: {e}", file=sys.stderr, flush=True)
         time.sleep(SILENT_RANK_GRACE_S)  # the peers read the report from the store first
-        return 1
+        os._exit(1)  # a given-up store handshake may still hold a thread
     try:
         if rt.role.role == "trainer":
             from llamarl.trainer.loop import run_trainer

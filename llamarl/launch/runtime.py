@@ -24,6 +24,7 @@ import torch.distributed as dist
 from llamarl.buffer.shm import sweep_run
 from llamarl.config import Config, config_to_yaml
 from llamarl.launch.dist_env import DistEnv
+from llamarl.launch.job_store import StoreError, open_job_store
 from llamarl.launch.layout import Layout, RankRole
 from llamarl.launch.watchdog import Watchdog
 from llamarl.parallel.groups import GroupSpec, connect_store, default_backend
@@ -91,8 +92,10 @@ def setup(cfg: Config, layout: Layout, env: DistEnv) -> Runtime:
     role = layout.role_of(env.rank)
     prefix = f"llamarl/{env.restart}"
     hosts_store = not env.agent_store and env.rank == 0
-    raw = connect_store(env.master_addr, env.master_port, STARTUP_TIMEOUT_S,
-                        is_master=hosts_store, world_size=env.world_size if hosts_store else None)
+    try:
+        raw = open_job_store(env, STARTUP_TIMEOUT_S)
+    except StoreError as e:
+        raise SetupError(str(e)) from None
     store = dist.PrefixStore(prefix, raw)
     device = pick_device(env)
 
@@ -116,7 +119,10 @@ def setup(cfg: Config, layout: Layout, env: DistEnv) -> Runtime:
                        "writable run.output_dir")
             watchdog.report_failure(message)
             raise SetupError(message) from None
-    rt_info = json.loads(wait_for(store, "run", watchdog))
+    try:
+        rt_info = json.loads(wait_for(store, "run", watchdog))
+    except RuntimeError as e:  # rank 0 failed to set up: say its reason, no traceback
+        watchdog.stop_now(str(e))
     rt = Runtime(cfg, layout, role, env, store, prefix, rt_info["id"], Path(rt_info["dir"]),
                  device, watchdog, hosts_store)
     if rt.run_dir.is_dir():  # shared filesystem (always on one host): who runs where

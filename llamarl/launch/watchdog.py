@@ -65,6 +65,11 @@ class Watchdog:
         except Exception:  # the store may be gone too; the exit code still tells
             pass
 
+    def stop_now(self, cause: str) -> None:
+        """End this process because of a peer's failure `cause` (as the watchdog thread
+        does when it sees it first)."""
+        self._die(cause, None, prefix="stopping: ")
+
     def mark_done(self) -> None:
         self._store_main().set(f"done/{self.rank}", "ok")
 
