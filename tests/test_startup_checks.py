@@ -71,15 +71,20 @@ def test_nan_loss_skips_steps_then_stops_the_run():
 def test_checkpoint_failures_name_the_cause_in_one_line(tmp_path):
     """DCP's CheckpointException holds every rank's traceback; the user gets the cause (a
     shape mismatch when resuming another model, a full disk) and the fix in one line."""
+    import warnings
+
     import torch
     import torch.distributed.checkpoint as dcp
 
     from llamarl.trainer.checkpoint import _one_line_errors
 
-    dcp.save({"model": torch.nn.Linear(4, 4).state_dict()}, checkpoint_id=str(tmp_path))
-    with pytest.raises(RuntimeError) as info:
-        with _one_line_errors("loading checkpoint", tmp_path):
-            dcp.load({"model": torch.nn.Linear(4, 8).state_dict()}, checkpoint_id=str(tmp_path))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # 1 process
+        dcp.save({"model": torch.nn.Linear(4, 4).state_dict()}, checkpoint_id=str(tmp_path))
+        with pytest.raises(RuntimeError) as info:
+            with _one_line_errors("loading checkpoint", tmp_path):
+                dcp.load({"model": torch.nn.Linear(4, 8).state_dict()},
+                         checkpoint_id=str(tmp_path))
     msg = str(info.value)
     assert "\n" not in msg and "Size mismatch" in msg and "resume with the model.path" in msg
     with pytest.raises(RuntimeError, match="No space left on device: free disk space"):

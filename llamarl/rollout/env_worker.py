@@ -85,7 +85,7 @@ def _worker_main(conn, env_name: str, tool_format: str, threads: int) -> None:
         try:
             reply = (call_id, "ok", _run(envs, cls, tool_format, episode, method, arg))
         except BaseException as e:  # noqa: BLE001 - SystemExit from user code is an error too
-            envs.pop(episode, None) if method != "turn" else None
+            envs.pop(episode, None)  # a failed call ends its episode, under either on_error
             reply = (call_id, "error", f"{method} raised {type(e).__name__}: {e}")
         with lock:
             try:

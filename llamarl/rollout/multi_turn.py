@@ -132,7 +132,8 @@ class MultiTurnSource(RolloutSource):
             room = self.max_tokens - len(ep.sample.token_ids)
             if room <= 0:
                 return end(eid, "context")
-            engine.submit(f"{eid}:{ep.sample.turns}", ep.sample.token_ids, temperature,
+            # a copy: the record's list grows after the turn, the engine keeps what it was given
+            engine.submit(f"{eid}:{ep.sample.turns}", list(ep.sample.token_ids), temperature,
                           min(ctx.cfg.generator.max_new_tokens, room))
 
         def failed(eid: int, method: str, outcome) -> None:
