@@ -103,17 +103,50 @@ def collate(seqs: list[tuple[list[int], list[int], list[float]]], pad_id: int) -
     return TokenBatch(ids, attn, ids[:, 1:].clone(), mask, old)
 
 
+# The float32 vocabulary softmax runs in chunks of about this many MiB: the full [B, T, V]
+# float32 log-softmax, its exp and their product would each be as large as the logits; chunked
+# (and recomputed chunk by chunk in backward), only one chunk's exist at a time. Micro-batches
+# smaller than one chunk (the tiny model's) take the one-chunk path unchanged.
+LOGPROB_CHUNK_MIB = 256.0
+
+
+def _logprobs_of_chunk(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                       entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp_all.gather(-1, targets[..., None]).squeeze(-1), entropy
+
+
 def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float,
-                   entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   entropy_grad: bool = False,
+                   chunk_mib: float = LOGPROB_CHUNK_MIB) -> tuple[torch.Tensor, torch.Tensor]:
     """log softmax(logits / temperature) of each next token, [B, T-1] float32, and the entropy
     of that distribution at each position, H = -sum_v p_v log p_v, [B, T-1] (with a gradient
     only when `entropy_grad`, for an entropy bonus).
 
     The generator samples from the same temperature-scaled softmax (top_p = 1, no top_k), so
     the logprobs are directly comparable with the behaviour logprobs it returns.
+
+    Memory: the softmax over the vocabulary runs in chunks of about `chunk_mib` MiB of float32
+    (whole rows x a span of positions), each recomputed in backward (activation
+    checkpointing), so the float32 [B, T, V] tensors of an unchunked log-softmax never exist;
+    every value and gradient is the same, bit for bit (0 = one chunk).
     """
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    logp_all = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp_all.gather(-1, batch.targets[..., None]).squeeze(-1), entropy
+    logits = logits[:, :-1]
+    B, T = batch.targets.shape
+    positions = int(chunk_mib * 2**20 / (4 * logits.shape[-1])) if chunk_mib > 0 else B * T
+    step = max(1, positions // max(B, 1))
+    if step >= T:
+        return _logprobs_of_chunk(logits, batch.targets, temperature, entropy_grad)
+    from torch.utils.checkpoint import checkpoint
+
+    parts = []
+    for lc, tc in zip(logits.split(step, dim=1), batch.targets.split(step, dim=1)):
+        if torch.is_grad_enabled() and lc.requires_grad:
+            parts.append(checkpoint(_logprobs_of_chunk, lc, tc, temperature, entropy_grad,
+                                    use_reentrant=False))
+        else:
+            parts.append(_logprobs_of_chunk(lc, tc, temperature, entropy_grad))
+    return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
