@@ -310,3 +310,15 @@ def test_tool_recipe_trains_through_the_launcher(tmp_path, cache_dir):
     assert any(row["tool_calls_per_episode"] > 0 for row in rows)
     evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [0, 3] and "tool_calls_per_episode" in evals[0]
+
+
+def test_environments_get_the_mapped_prompt_and_answer_with_the_whole_row():
+    from llamarl.data.prompts import Prompt
+    from llamarl.rollout.multi_turn import episode_row
+
+    row = {"question": "What is 3*7?", "answer": "3*7 = 21 #### 21", "id": 4}
+    prompt = Prompt([1, 2], "What is 3*7?", "3*7 = 21 #### 21", row)
+    got = episode_row(prompt)
+    assert got == {**row, "prompt": "What is 3*7?"}
+    env = CalculatorEnv(got)  # GSM8K's field names: the environment still finds its prompt
+    assert env.prompt()[-1]["content"] == "What is 3*7?" and env.reward("#### 21") == 1.0

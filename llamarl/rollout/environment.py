@@ -29,7 +29,9 @@ from llamarl.rollout.tool_calls import parse_turn
 
 class Environment:
     def __init__(self, row: dict):
-        self.row = row  # the dataset row (prompt, answer, and any other field)
+        # the dataset row: every field, with "prompt" and "answer" set to the ones
+        # data.prompt_field and data.answer_field name
+        self.row = row
 
     def prompt(self) -> str | list[dict]:
         """The first context: the prompt text (formatted like single-turn prompts: the chat

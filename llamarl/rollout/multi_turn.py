@@ -46,6 +46,12 @@ class _Episode:
     last_text: str = ""
 
 
+def episode_row(prompt) -> dict:
+    """What an environment is built from: the dataset row, with "prompt" and "answer" set to
+    the fields data.prompt_field / data.answer_field name (GSM8K's "question" is "prompt")."""
+    return {**(prompt.row or {}), "prompt": prompt.text, "answer": prompt.answer}
+
+
 class ContextEncoder:
     """Prompt and observation tokens: raw text, or chat messages through the template.
 
@@ -118,9 +124,7 @@ class MultiTurnSource(RolloutSource):
         live = len(episodes)
         engine.begin(seed)
         for eid, ep in episodes.items():
-            row = dict(prompts[ep.group].row or {"prompt": prompts[ep.group].text,
-                                                 "answer": prompts[ep.group].answer})
-            calls[pool.call(eid, "open", row)] = "open"
+            calls[pool.call(eid, "open", episode_row(prompts[ep.group]))] = "open"
 
         def end(eid: int, finish: str) -> None:
             ep = episodes[eid]
