@@ -21,6 +21,7 @@ Signatures (docs/algorithms.md has the maths and a worked example):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -74,11 +75,17 @@ def advantage_name(cfg) -> str:
 
 
 def resolve(spec: str, table: dict[str, str], key: str) -> Callable:
-    """The function a registry name or a "module:function" import path names."""
+    """The function a registry name or a "module:function" import path names (imported once:
+    the policy loss is looked up on every micro-batch)."""
     path = table.get(spec, spec)
     if not is_import_path(path):
         raise ValueError(f"{key} {spec!r}: use one of {', '.join(table)} or 'module:function'")
-    fn = import_path(path, f"{key} {spec!r}")
+    return _import_function(path, f"{key} {spec!r}")
+
+
+@functools.cache
+def _import_function(path: str, what: str) -> Callable:
+    fn = import_path(path, what)
     if not callable(fn):
-        raise ValueError(f"{key} {spec!r} is not a function")
+        raise ValueError(f"{what} is not a function")
     return fn

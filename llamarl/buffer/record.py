@@ -39,7 +39,7 @@ import torch
 # Finish reasons: "stop" = the policy ended with EOS (the last turn, for an episode);
 # "length" = a turn hit max_new_tokens; "max_turns" / "context" = an episode hit
 # max_turns / the total token budget; "env_error" = the environment or a tool failed and
-# env.on_error = zero ended the episode.
+# rollout.on_error = zero ended the episode.
 FINISH_REASONS = ("length", "stop", "max_turns", "context", "env_error")
 FINISH_CODE = {name: code for code, name in enumerate(FINISH_REASONS)}
 
@@ -222,24 +222,33 @@ def split_groups(batch: RolloutBatch, parts: int) -> list[RolloutBatch]:
     return [batch.slice(bounds[k], bounds[k + 1]) for k in range(parts)]
 
 
+def segment_ids(lens: torch.Tensor, total: int) -> torch.Tensor:
+    """[total]: for each token of samples of lengths `lens` laid end to end, its sample."""
+    return torch.repeat_interleave(torch.arange(len(lens)), lens.long(), output_size=total)
+
+
+def segment_positions(lens: torch.Tensor, total: int) -> torch.Tensor:
+    """[total]: for each token of samples of lengths `lens` laid end to end, its position in
+    its sample."""
+    lens = lens.long()
+    return torch.arange(total) - (torch.cumsum(lens, 0) - lens)[segment_ids(lens, total)]
+
+
 def _gather_index(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     """Token indices of samples starting at `starts` with lengths `lens`, concatenated."""
     total = int(lens.sum())
-    out_starts = torch.cumsum(lens, 0) - lens
-    return torch.repeat_interleave(starts - out_starts, lens, output_size=total) \
-        + torch.arange(total)
+    return starts[segment_ids(lens, total)] + segment_positions(lens, total)
 
 
 def _segment_sum(values: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-    seg = torch.repeat_interleave(torch.arange(len(lens)), lens.long(), output_size=len(values))
+    seg = segment_ids(lens, len(values))
     return torch.zeros(len(lens), dtype=values.dtype).index_add_(0, seg, values)
 
 
 def _segment_min_sampled(versions: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     """Per sample, the oldest version among its sampled tokens (-1 tokens are context);
     a sample that sampled nothing gets 0."""
-    seg = torch.repeat_interleave(torch.arange(len(lens)), lens.long(),
-                                  output_size=len(versions))
+    seg = segment_ids(lens, len(versions))
     big = torch.iinfo(torch.int64).max
     keyed = torch.where(versions >= 0, versions, torch.full_like(versions, big))
     out = torch.full((len(lens),), big, dtype=torch.int64).scatter_reduce_(

@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from llamarl.errors import first_line
+
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
 
@@ -123,10 +125,9 @@ def _readable(path, kind: str):
     try:
         yield
     except (pa.ArrowException, OSError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise ValueError(f"{str(path)!r} is not a readable {kind} file ({first}): check the "
-                         "file, or give it the suffix of its real format (.jsonl, .parquet)"
-                         ) from None
+        raise ValueError(f"{str(path)!r} is not a readable {kind} file ({first_line(e, 200)}): "
+                         "check the file, or give it the suffix of its real format (.jsonl, "
+                         ".parquet)") from None
 
 
 def _arrow_files(path: Path) -> list[Path]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from llamarl.config import GeneratorConfig
+from llamarl.errors import first_line
 from llamarl.generator.cpu_fixes import disable_onednn_prepack
 from llamarl.generator.kv_cache import (
     DEFAULT_BLOCK,
@@ -58,8 +59,7 @@ def sampler_seed(run_seed: int, purpose: str, step: int, engine: int, round_: in
 
 def _first_line(e: BaseException) -> str:
     """`Type: first line of the message` (vLLM's errors run to pages)."""
-    lines = str(e).strip().splitlines() or [""]
-    return f"{type(e).__name__}: {lines[0][:300]}"
+    return f"{type(e).__name__}: {first_line(e, empty='')}"
 
 
 @dataclass(frozen=True)

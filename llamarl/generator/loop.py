@@ -219,7 +219,7 @@ def sample_batch(rt: Runtime, source: RolloutSource, draw, version: int,
         metrics["sampled_tokens"] = float(batch.loss_mask.sum())
         counts = torch.bincount(batch.finish.long(), minlength=len(FINISH_REASONS)).tolist()
         metrics.update({f"finish_{name}": float(c) for name, c in zip(FINISH_REASONS, counts)})
-    info = {"step": step, "generate_s": metrics.pop("generate_s", metrics.get("collect_s", 0.0)),
+    info = {"step": step, "generate_s": metrics.pop("generate_s", 0.0),
             "reward_s": metrics.pop("reward_s", 0.0),
             "reward_errors": int(metrics.pop("reward_errors", 0)),
             "reward_timeouts": int(metrics.pop("reward_timeouts", 0)),

@@ -25,6 +25,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from llamarl.errors import first_line
 from llamarl.launch.dist_env import DistEnv
 from llamarl.parallel.groups import connect_store
 
@@ -51,9 +52,9 @@ def open_job_store(env: DistEnv, timeout_s: float) -> dist.TCPStore:
             store = connect_store(env.master_addr, env.master_port, timeout_s, is_master=True,
                                   world_size=env.world_size)
         except Exception as e:
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-            raise StoreError(f"cannot host the job's store at {where}: {first}; another "
-                             "process holds the port: set MASTER_PORT to a free port") from None
+            raise StoreError(f"cannot host the job's store at {where}: {first_line(e, 160)}; "
+                             "another process holds the port: set MASTER_PORT to a free port"
+                             ) from None
         store.set(JOB_KEY, job_identity())
         return store
     _wait_for_listener(env.master_addr, env.master_port, timeout_s, where)

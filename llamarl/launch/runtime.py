@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from llamarl.buffer.shm import sweep_run
 from llamarl.config import Config, config_to_yaml
+from llamarl.errors import first_line
 from llamarl.launch.dist_env import DistEnv
 from llamarl.launch.job_store import StoreError, open_job_store
 from llamarl.launch.layout import Layout, RankRole
@@ -112,7 +113,7 @@ def setup(cfg: Config, layout: Layout, env: DistEnv) -> Runtime:
         try:
             _make_run_dir(cfg, layout, env, store, raw)
         except Exception as e:  # a bad output_dir or resume path: one line, for every rank
-            what = (str(e).strip().splitlines() or [""])[0]
+            what = first_line(e, empty="")
             message = (what if isinstance(e, ValueError) else
                        f"cannot set up the run directory under run.output_dir "
                        f"{cfg.run.output_dir!r} ({type(e).__name__}: {what}): choose a "

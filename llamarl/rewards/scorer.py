@@ -161,27 +161,3 @@ def reward_metrics(infos: list[dict]) -> dict:
         row[f"reward/{name}"] = sum(values) / len(values)
     return row
 
-
-def rollout_metrics(infos: list[dict]) -> dict:
-    """Multi-turn episode metrics of one trainer step from the rollout batches' info (one per
-    engine); {} for single-turn sources."""
-    parts = [i["rollout"] for i in infos if i.get("rollout", {}).get("episodes")]
-    if not parts:
-        return {}
-    tot = {k: sum(p.get(k, 0.0) for p in parts) for k in parts[0]}
-    episodes = max(tot["episodes"], 1.0)
-    return {
-        "turns_per_episode": tot["turns"] / episodes,
-        "tool_calls_per_episode": tot["tool_calls"] / episodes,
-        "tool_errors": int(tot["tool_errors"]), "malformed_calls": int(tot["malformed"]),
-        "env_errors": int(tot["env_errors"]), "env_timeouts": int(tot["env_timeouts"]),
-        "env_s": max(p.get("env_s", 0.0) for p in parts),
-        # the engine stepped for this share of the collection (it idles only while every
-        # live episode waits for its environment)
-        "engine_busy_share": tot["engine_busy_s"] / max(tot["collect_s"], 1e-9),
-        "masked_response_share": 1.0 - tot["sampled_tokens"] / max(tot["response_tokens"], 1.0),
-        # why episodes ended: stop (final answer), length (a turn hit max_new_tokens),
-        # max_turns, context (rollout.max_tokens), env_error (rollout.on_error = zero)
-        **{k.replace("finish_", "episodes_"): int(v) for k, v in tot.items()
-           if k.startswith("finish_")},
-    }

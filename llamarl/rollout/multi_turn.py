@@ -208,6 +208,7 @@ class MultiTurnSource(RolloutSource):
                     ep.reward = float(value)
                     live -= 1
         m["collect_s"] = time.perf_counter() - t_start
+        m["generate_s"] = m["collect_s"]  # the step's "generate" phase: episodes, tools included
         groups = []
         for j, prompt in enumerate(prompts):
             eps = [episodes[base + j * n + i] for i in range(n)]

@@ -38,6 +38,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from llamarl.errors import first_line
+
 PARTIAL = ".partial"
 TEST_PAUSE_ENV = "LLAMARL_TEST_CHECKPOINT_PAUSE_S"
 
@@ -141,7 +143,7 @@ def _one_line_errors(what: str, path: Path):
     except CheckpointException as e:
         ranks = sorted(e.failures)
         exc = e.failures[ranks[0]][0] if ranks else e
-        cause = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        cause = first_line(exc)
         text = cause.lower()
         if "no space left" in text:
             fix = "free disk space under run.output_dir or lower run.keep_checkpoints"

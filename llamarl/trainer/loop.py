@@ -33,7 +33,8 @@ from llamarl.launch.runtime import Runtime, log
 from llamarl.parallel.fsdp import apply_fsdp
 from llamarl.parallel.groups import make_group
 from llamarl.parallel.weight_sync import WeightSender, metas_to_json
-from llamarl.rewards.scorer import reward_metrics, rollout_metrics
+from llamarl.rewards.scorer import reward_metrics
+from llamarl.rollout.source import rollout_metrics
 from llamarl.timeline import Timeline
 from llamarl.trainer import checkpoint
 from llamarl.trainer.critic import build_critic

@@ -6,6 +6,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from llamarl.buffer.record import segment_ids, segment_positions
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -67,9 +69,7 @@ def pad_rollouts(batch, pad_id: int) -> TokenBatch:
     lens = batch.seq_lens.long()
     B, L = len(lens), len(batch.token_ids)
     T = max(int(lens.max()), 2) if B else 2
-    row = torch.repeat_interleave(torch.arange(B), lens, output_size=L)
-    col = torch.arange(L) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens,
-                                                     output_size=L)
+    row, col = segment_ids(lens, L), segment_positions(lens, L)
     ids = torch.full((B, T), pad_id, dtype=torch.long)
     ids[row, col] = batch.token_ids.long()
     attn = torch.zeros((B, T), dtype=torch.long)
