@@ -1,6 +1,7 @@
 """Peak memory and time of one policy forward + backward with the logprobs of the sampled
-tokens computed in chunks (the default) or as one float32 softmax over the whole
-[B, T, V] (chunk_mib=0, as before), on the CPU, each in a fresh process (peak RSS growth
+tokens computed in chunks (the default: the LM head and the float32 softmax in spans of
+positions, recomputed in backward) or from whole [B, T, V] logits and one float32 softmax
+(chunk_mib=0, as before), on the CPU, each in a fresh process (peak RSS growth
 over the process's size before the step). A 32k-vocabulary Qwen2 (hidden 256, 2 layers) on a
 micro-batch of 8 x 1024 tokens: the logits dominate, as in LLM RL.
 

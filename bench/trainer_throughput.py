@@ -3,9 +3,18 @@ reference with a KL reward penalty), side by side in one run, FSDP2 on every ran
 
 Per algorithm: one warm-up update, then --repeats timed updates on the same synthetic rollout
 batch (random token ids: throughput does not depend on their values). Reports the median
-seconds per update, trained tokens/s (prompt + completion tokens of the batch / time) and the
-peak accelerator memory, and PPO's cost relative to GRPO.
+seconds per update, trained tokens/s (prompt + completion tokens of the batch / time), the
+share of the forwards' tokens that are padding, and the peak memory (accelerator; on the CPU
+the growth of the process's peak RSS over the updates), and PPO's cost relative to GRPO.
 
+--compare: the GRPO update before and after packing and the chunked LM head, side by side, each
+in a fresh torchrun (so each peak is its own): `padded` = trainer.micro_batch_size rows padded
+to their longest and whole [B, T, V] logits (LOGPROB_CHUNK_MIB = 0); `packed` =
+trainer.max_tokens_per_micro_batch = --budget and the default chunked head. --mixed draws
+long-tailed completion lengths (log-uniform in [4, --completion-len]) and prompt lengths in
+[prompt-len / 2, prompt-len], as RL batches have.
+
+    python bench/trainer_throughput.py --compare --model 32k --mixed   # make bench (CPU)
     torchrun --standalone --nproc-per-node 1 bench/trainer_throughput.py --model tiny
     torchrun --standalone --nproc-per-node 2 bench/trainer_throughput.py --model 24m \
         --seqs 512 --prompt-len 8 --completion-len 40     # the KV-preemption issue's update
@@ -17,8 +26,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +45,10 @@ SIZES = {
     "24m": dict(hidden_size=512, intermediate_size=1536,  # the tiny tokenizer's vocabulary
                 num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
                 max_position_embeddings=256),
+    # a realistic vocabulary (Llama 2's size) on a small body: the LM head dominates, as in RL
+    "32k": dict(vocab_size=32000, hidden_size=256, intermediate_size=768,
+                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=2048),
     "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
                  num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                  max_position_embeddings=4096),
@@ -68,10 +84,21 @@ def synthetic_batch(args, vocab: int, rank: int):
 
     g = torch.Generator().manual_seed(rank)
     n = args.seqs // dist.get_world_size()
-    prompts = [torch.randint(3, vocab, (args.prompt_len,), generator=g).tolist()] * n
-    comps = [torch.randint(3, vocab, (args.completion_len,), generator=g).tolist()
-             for _ in range(n)]
-    lps = [(-torch.rand(args.completion_len, generator=g)).tolist() for _ in range(n)]
+
+    def length(low: int, high: int, log: bool) -> int:
+        u = float(torch.rand(1, generator=g))
+        if log:
+            return int(math.exp(math.log(low) + u * (math.log(high) - math.log(low))))
+        return int(low + u * (high - low))
+
+    plens, clens = [args.prompt_len] * n, [args.completion_len] * n
+    if args.mixed:  # one prompt per group of 8, long-tailed completions
+        plens = [length(args.prompt_len // 2, args.prompt_len, False) for _ in range(n // 8)
+                 for _ in range(8)]
+        clens = [length(4, args.completion_len, True) for _ in range(n)]
+    prompts = [torch.randint(3, vocab, (p,), generator=g).tolist() for p in plens]
+    comps = [torch.randint(3, vocab, (c,), generator=g).tolist() for c in clens]
+    lps = [(-torch.rand(c, generator=g)).tolist() for c in clens]
     rewards = torch.rand(n, generator=g).tolist()
     gids = [rank * 100_000 + i // 8 for i in range(n)]  # groups of 8
     return RolloutBatch.from_lists(prompts, comps, lps, rewards, gids, [True] * n, 0, 0)
@@ -79,7 +106,7 @@ def synthetic_batch(args, vocab: int, rank: int):
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", choices=["tiny", "24m", "0.5b"], default="tiny")
+    p.add_argument("--model", choices=["tiny", "24m", "32k", "0.5b"], default="tiny")
     p.add_argument("--seqs", type=int, default=64, help="sequences per update, all ranks")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--completion-len", type=int, default=16)
@@ -88,7 +115,15 @@ def main() -> None:
     p.add_argument("--master-dtype", default="float32", help="trainer.master_dtype")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--mixed", action="store_true", help="long-tailed sequence lengths")
+    p.add_argument("--compare", action="store_true", help="padded vs packed + chunked head")
+    p.add_argument("--budget", type=int, default=2048, help="tokens per packed micro-batch")
+    p.add_argument("--nproc", type=int, default=1, help="trainer ranks with --compare")
+    p.add_argument("--variant", choices=["both_algorithms", "padded", "packed"],
+                   default="both_algorithms", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.compare:
+        return compare(args)
 
     from llamarl.config import load_config
     from llamarl.parallel.fsdp import apply_fsdp
@@ -109,10 +144,18 @@ def main() -> None:
     dist.barrier()
     path = path or build_model_dir(args.model)
 
+    from llamarl.trainer import policy as policy_mod
+
+    variant = []
+    if args.variant == "padded":
+        policy_mod.LOGPROB_CHUNK_MIB = 0  # whole logits, one softmax: as before the chunking
+    elif args.variant == "packed":
+        variant = [f"trainer.max_tokens_per_micro_batch={args.budget}"]
     results = {}
-    for alg in ("grpo", "ppo"):
+    for alg in ("grpo", "ppo") if args.variant == "both_algorithms" else ("grpo",):
         extra = ["algorithm.name=ppo", "algorithm.kl_coef=0.01", "algorithm.kl_mode=reward",
                  "algorithm.kl_estimator=k1"] if alg == "ppo" else []
+        extra += variant
         cfg = load_config(None, [f"trainer.micro_batch_size={args.micro_batch}",
                                  f"trainer.ranks={world}", f"model.dtype={args.dtype}",
                                  f"trainer.master_dtype={args.master_dtype}",
@@ -129,6 +172,7 @@ def main() -> None:
         pad = 0
         if cuda:
             torch.cuda.reset_peak_memory_stats()
+        rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
         times = []
         for i in range(args.repeats + 1):
             if cuda:
@@ -140,22 +184,48 @@ def main() -> None:
             if i:  # the first is warm-up
                 times.append(time.perf_counter() - t0)
         med = statistics.median(times)
+        rss = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 2**20
         results[alg] = {"update_s": med, "trained_tokens_per_s": stats["n_tokens_all"] / med,
+                        "padding_share": stats["padding_share"],
                         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda
-                        else None}
+                        else None, "cpu_peak_rss_growth_gib": None if cuda else rss}
         del model, trainer, critic, reference
         if cuda:
             torch.cuda.empty_cache()
     if rank == 0:
         out = {"world": world, "device": torch.cuda.get_device_name() if cuda else "cpu",
-               **vars(args), "results": results,
-               "ppo_over_grpo_time": results["ppo"]["update_s"] / results["grpo"]["update_s"]}
+               **vars(args), "results": results}
+        if "ppo" in results:
+            out["ppo_over_grpo_time"] = results["ppo"]["update_s"] / results["grpo"]["update_s"]
         print(json.dumps(out, indent=1), flush=True)
     dist.destroy_process_group()
     # as llamarl.launch does: a normal interpreter exit after destroy_process_group can abort
     # in finalization (torch 2.13, gloo; see tests/dist/trainer_world.py)
     sys.stderr.flush()
     os._exit(0)
+
+
+def compare(args) -> None:
+    """The padded and the packed GRPO update, each in a fresh torchrun, side by side."""
+    passed = [a for a in sys.argv[1:] if a not in ("--compare",)]
+    out = {"args": vars(args), "device": "cpu"}
+    for variant in ("padded", "packed"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             f"--nproc-per-node={args.nproc}", __file__, *passed, "--variant", variant],
+            capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.exit(f"the {variant} run failed:\n{proc.stderr[-3000:]}")
+        run = json.loads(proc.stdout[proc.stdout.index("{"):])
+        out["device"] = run["device"]
+        out[variant] = run["results"]["grpo"]
+    a, b = out["padded"], out["packed"]
+    out["speedup"] = b["trained_tokens_per_s"] / a["trained_tokens_per_s"]
+    key = "peak_mem_gib" if a["peak_mem_gib"] is not None else "cpu_peak_rss_growth_gib"
+    out["peak_memory_ratio"] = a[key] / max(b[key], 1e-9)
+    print(json.dumps(out, indent=1))
+    name = f"trainer_packing_{args.model}_{'cpu' if out['device'] == 'cpu' else 'gpu'}.json"
+    Path("bench/results", name).write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -50,6 +50,10 @@ class ModelConfig:
     # precision) and the exported policy. The trainer's own copy of the weights, its gradients
     # and AdamW's state are in trainer.master_dtype.
     dtype: str = "float32"  # float32 | bfloat16 | float16
+    # The trainer's attention (policy, reference, critic): sdpa | eager | flash_attention_2
+    # (GPU, flash-attn installed: packed micro-batches without cross-sequence compute) |
+    # flex_attention. docs/trainer.md.
+    attn_implementation: str = "sdpa"
 
 
 @dataclass
@@ -81,6 +85,11 @@ class DataConfig:
 class TrainerConfig:
     ranks: int = 2  # trainer data-parallel ranks (FSDP2 sub-mesh)
     micro_batch_size: int = 32  # sequences per forward/backward
+    # > 0: the update's micro-batches are packed instead: whole sequences laid end to end,
+    # up to this many tokens each (a longer sequence goes alone), attention kept inside each
+    # sequence; micro_batch_size is then not used by the policy/critic update. No compute on
+    # padding (docs/algorithms.md: packed micro-batches).
+    max_tokens_per_micro_batch: int = 0
     lr: float = 1e-4
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -297,6 +306,7 @@ BUILTIN_REWARDS = ("reverse_match", "exact_match", "gsm8k", "boxed", "format")
 
 _CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.attn_implementation": ("sdpa", "eager", "flash_attention_2", "flex_attention"),
     "trainer.master_dtype": ("float32", "bfloat16"),
     "trainer.lr_schedule": ("constant", "cosine"),
     "algorithm.name": tuple(ALGORITHMS),
@@ -351,6 +361,8 @@ def validate(cfg: Config) -> Config:
                        "trainer.warmup_steps":
                        cfg.trainer.warmup_steps, "sync.max_staleness": cfg.sync.max_staleness,
                        "trainer.threads": cfg.trainer.threads,
+                       "trainer.max_tokens_per_micro_batch":
+                       cfg.trainer.max_tokens_per_micro_batch,
                        "generator.threads": cfg.generator.threads,
                        "generator.kv_cache_gib": cfg.generator.kv_cache_gib,
                        "generator.max_num_seqs": cfg.generator.max_num_seqs,

@@ -18,11 +18,11 @@ import torch
 
 from llamarl.config import Config
 from llamarl.parallel.fsdp import apply_fsdp
-from llamarl.trainer.policy import DTYPES, TokenBatch
+from llamarl.trainer.policy import DTYPES, TokenBatch, model_inputs, to_padded
 from llamarl.trainer.step import PolicyTrainer
 
 
-def load_critic(path: str, dtype: str) -> torch.nn.Module:
+def load_critic(path: str, dtype: str, attn_implementation: str = "sdpa") -> torch.nn.Module:
     """The value model from `path` (a causal LM's or a classifier's directory). A value head
     that the checkpoint does not have starts at zero, so the first values are 0 and the first
     advantages are the plain (KL-shaped) returns rather than noise from a random head."""
@@ -35,7 +35,8 @@ def load_critic(path: str, dtype: str) -> torch.nn.Module:
     hf_logging.set_verbosity_error()  # the new head is expected: no "newly initialized" report
     try:
         model, info = AutoModelForTokenClassification.from_pretrained(
-            path, config=config, dtype=DTYPES[dtype], output_loading_info=True)
+            path, config=config, dtype=DTYPES[dtype], output_loading_info=True,
+            attn_implementation=attn_implementation)
     finally:
         hf_logging.set_verbosity(level)
     model.config.use_cache = False
@@ -48,9 +49,10 @@ def load_critic(path: str, dtype: str) -> torch.nn.Module:
 
 
 def values(model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
-    """V_t for every position that chooses a next token: [B, T-1] float32."""
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    return out[:, :-1, 0].float()
+    """V_t for every position that chooses a next token: [B, T-1] float32 (0 where nothing is
+    scored when `batch` is packed)."""
+    out = model(**model_inputs(batch)).logits
+    return to_padded(batch, out[:, :-1, 0].float())
 
 
 def _forward(model: torch.nn.Module, batch: TokenBatch):
@@ -64,7 +66,8 @@ warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP\w+ForTok
 def build_critic(cfg: Config, policy_path: str, mesh, device: torch.device,
                  total_optimizer_steps: int, dp_size: int) -> PolicyTrainer:
     """The critic's trainer (model + AdamW + schedule), sharded on the trainer mesh."""
-    model = load_critic(cfg.critic.path or policy_path, cfg.trainer.master_dtype).to(device)
+    model = load_critic(cfg.critic.path or policy_path, cfg.trainer.master_dtype,
+                        cfg.model.attn_implementation).to(device)
     apply_fsdp(model, mesh, param_dtype=DTYPES[cfg.model.dtype],
                gradient_checkpointing=cfg.trainer.gradient_checkpointing)
     c = cfg.critic

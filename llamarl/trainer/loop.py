@@ -67,7 +67,7 @@ def load_reference(cfg, model_path: str, mesh, device: torch.device):
     mesh like the policy; None when algorithm.kl_coef is 0 (nothing is loaded)."""
     if cfg.algorithm.kl_coef == 0:
         return None
-    ref = load_policy(model_path, cfg.model.dtype).to(device)
+    ref = load_policy(model_path, cfg.model.dtype, cfg.model.attn_implementation).to(device)
     ref.requires_grad_(False)
     ref.eval()
     return apply_fsdp(ref, mesh, param_dtype=DTYPES[cfg.model.dtype])
@@ -131,7 +131,8 @@ def run_trainer(rt: Runtime) -> None:
         rt.store.set("model/path", model_path)
     if r == 0 and not rt.resume:
         write_run_files(rt, model_path, recipe=False)  # setup wrote recipe.yaml
-    model = load_policy(model_path, cfg.trainer.master_dtype).to(rt.device)
+    model = load_policy(model_path, cfg.trainer.master_dtype,
+                        cfg.model.attn_implementation).to(rt.device)
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     check_tokenizer(tokenizer, model_path)
@@ -249,6 +250,8 @@ def run_trainer(rt: Runtime) -> None:
             "wait_s": wait_s, "transfer_s": transfer_s, "train_s": train_s, "sync_s": sync_s,
             "checkpoint_s": checkpoint_s,
             "train_tokens_per_s": stats["n_tokens_all"] / max(train_s, 1e-9),
+            # the share of the update's forward tokens that are padding (0 when packed)
+            "padding_share": stats["padding_share"],
             # buffer cost: this rank's reads + the producers' writes (of the previous batch)
             "buffer_s": transfer_s + sum(i.get("prev_put_s", 0.0) for i in info),
             "broadcast_s": sender.last_broadcast_s,

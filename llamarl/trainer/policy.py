@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -11,12 +11,32 @@ from llamarl.buffer.record import segment_ids, segment_positions
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_policy(path: str, dtype: str) -> torch.nn.Module:
+def load_policy(path: str, dtype: str, attn_implementation: str = "sdpa") -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype],
+                                                 attn_implementation=attn_implementation)
     model.config.use_cache = False
     return model
+
+
+@dataclass
+class PackedRows:
+    """The sequences of a micro-batch laid end to end in one row of L tokens, for a forward
+    without padding: input_ids and position_ids [1, L] (positions restart at 0 for each
+    sequence, which is how the model keeps attention inside each one). Packed position
+    src[k] scores the same token as padded position (dst_row[k], dst_col[k]), [S] each; the
+    last position of each sequence (it would score the next sequence's first token) has
+    none."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    src: torch.Tensor
+    dst_row: torch.Tensor
+    dst_col: torch.Tensor
+
+    def to(self, device: torch.device) -> PackedRows:
+        return PackedRows(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
 @dataclass
@@ -31,6 +51,10 @@ class TokenBatch:
     advantages [B] (one per sample) or [B, T-1] (per token), returns and old_values [B, T-1]
     (PPO's critic), ref_logp [B, T-1] (the frozen reference's logprobs, for a KL term); None
     where the algorithm has none (and on masked filler micro-batches).
+
+    packed: the same rows laid end to end (`pack()`), or None. When set, the model runs on
+    the packed row and its per-token outputs are put back into the [B, T-1] layout, so the
+    losses read the same tensors either way; only the forward skips the padding.
     """
 
     input_ids: torch.Tensor
@@ -42,6 +66,7 @@ class TokenBatch:
     returns: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
+    packed: PackedRows | None = None
 
     def to(self, device: torch.device) -> TokenBatch:
         return TokenBatch(**{f.name: None if getattr(self, f.name) is None
@@ -54,13 +79,55 @@ class TokenBatch:
         out = {}
         for f in fields(self):
             t = getattr(self, f.name)
-            if t is None:
+            if t is None or f.name == "packed":
                 out[f.name] = None
             elif t.dim() == 1:
                 out[f.name] = t[rows]
             else:  # [B, T] columns keep `width`, [B, T-1] ones `width - 1`
                 out[f.name] = t[rows, :width - (t.shape[1] < self.input_ids.shape[1])]
         return TokenBatch(**out)
+
+    def pack(self) -> TokenBatch:
+        """This micro-batch with `packed` set: its sequences end to end in one row."""
+        keep = self.attention_mask.bool()
+        lens = keep.sum(1)
+        total = int(lens.sum())
+        pos = segment_positions(lens, total)
+        scored = pos > 0  # token c of a sequence is scored at c - 1; its first never is
+        packed = PackedRows(self.input_ids[keep][None], pos[None],
+                            torch.nonzero(scored).squeeze(1) - 1,
+                            segment_ids(lens, total)[scored], pos[scored] - 1)
+        return replace(self, packed=packed)
+
+    def padding_share(self) -> float:
+        """The share of the tokens a forward computes that are padding (0 when packed)."""
+        if self.packed is not None:
+            return 0.0
+        return 1.0 - float(self.attention_mask.sum()) / max(self.attention_mask.numel(), 1)
+
+
+def model_inputs(batch: TokenBatch) -> dict[str, torch.Tensor]:
+    """The keyword arguments of a HF model's forward for `batch`: the padded rows with their
+    attention mask, or the packed row with its position ids and no mask (Hugging Face then
+    keeps attention inside each sequence: the sequence boundaries are where the position ids
+    restart; flash_attention_2 reads them as varlen boundaries, sdpa/eager/flex get a
+    block-diagonal causal mask; a KV cache would hide the boundaries from it, hence
+    use_cache=False)."""
+    if batch.packed is None:
+        return {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+    return {"input_ids": batch.packed.input_ids, "position_ids": batch.packed.position_ids,
+            "use_cache": False}
+
+
+def to_padded(batch: TokenBatch, x: torch.Tensor) -> torch.Tensor:
+    """Per-position outputs of the model's layout, [1, L-1] packed or [B, T-1] padded, in the
+    padded layout [B, T-1] (0 where nothing is scored); differentiable."""
+    if batch.packed is None:
+        return x
+    p = batch.packed
+    out = x.new_zeros(batch.mask.shape)
+    out[p.dst_row, p.dst_col] = x[0, p.src]
+    return out
 
 
 def pad_rollouts(batch, pad_id: int) -> TokenBatch:
@@ -103,11 +170,11 @@ def collate(seqs: list[tuple[list[int], list[int], list[float]]], pad_id: int) -
     return TokenBatch(ids, attn, ids[:, 1:].clone(), mask, old)
 
 
-# The float32 vocabulary softmax runs in chunks of about this many MiB: the full [B, T, V]
-# float32 log-softmax, its exp and their product would each be as large as the logits; chunked
-# (and recomputed chunk by chunk in backward), only one chunk's exist at a time. Micro-batches
-# smaller than one chunk (the tiny model's) take the one-chunk path unchanged.
-LOGPROB_CHUNK_MIB = 256.0
+# The float32 vocabulary softmax runs in chunks of about this many MiB: the logits of a
+# [B, T] micro-batch, their float32 log-softmax, its exp and their product would each be
+# [B, T, V]; chunked (and recomputed chunk by chunk in backward), only one chunk's exist at a
+# time. Micro-batches smaller than one chunk (the tiny model's) take the one-chunk path.
+LOGPROB_CHUNK_MIB = 64.0
 
 
 def _logprobs_of_chunk(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
@@ -118,35 +185,96 @@ def _logprobs_of_chunk(logits: torch.Tensor, targets: torch.Tensor, temperature:
     return logp_all.gather(-1, targets[..., None]).squeeze(-1), entropy
 
 
+def _plain_head(model: torch.nn.Module) -> torch.nn.Linear | None:
+    """The LM head if the model's logits are exactly its output (no soft-capping or logit
+    scale applied after it, as Gemma 2 and Cohere do): only then may it be chunked."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    cfg = getattr(model, "config", None)
+    if (not isinstance(head, torch.nn.Linear) or getattr(cfg, "final_logit_softcapping", None)
+            or getattr(cfg, "logit_scale", None) or hasattr(model, "logit_scale")):
+        return None
+    return head
+
+
+def _over_spans(fn, x: torch.Tensor, targets: torch.Tensor,
+                span: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fn(x chunk, targets chunk) -> (logprobs, entropy) over spans of `span` positions (all
+    rows), each recomputed in backward (non-reentrant activation checkpointing),
+    concatenated along the positions."""
+    from torch.utils.checkpoint import checkpoint
+
+    if span >= targets.shape[1]:
+        return fn(x, targets)
+    parts = []
+    for k in range(0, targets.shape[1], span):
+        xs, ts = x[:, k:k + span], targets[:, k:k + span]
+        if torch.is_grad_enabled() and x.requires_grad:
+            parts.append(checkpoint(fn, xs, ts, use_reentrant=False))
+        else:
+            parts.append(fn(xs, ts))
+    return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
+
+
+def _logprobs_through_head(model: torch.nn.Module, head: torch.nn.Linear, inputs: dict,
+                           targets: torch.Tensor, span: int, temperature: float,
+                           entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One model forward whose LM head, for this call, turns the final hidden states into
+    (logprobs, entropy) span by span instead of returning [B, T, V] logits: the head runs
+    inside the model's forward, where FSDP2 has its (tied) weight unsharded and its gradient
+    is reduced as usual, and no [B, T, V] tensor is ever whole, forward or backward."""
+
+    def head_forward(hidden: torch.Tensor) -> torch.Tensor:  # [B, T, H] -> [B, T-1, 2]
+        w, b = head.weight, head.bias  # read now: FSDP2's unsharded parameters
+        lp, ent = _over_spans(
+            lambda h, t: _logprobs_of_chunk(torch.nn.functional.linear(h, w, b), t,
+                                            temperature, entropy_grad),
+            hidden[:, :-1], targets, span)
+        return torch.stack([lp, ent], -1)
+
+    before = head.__dict__.get("forward")
+    head.forward = head_forward
+    try:
+        out = model(**inputs).logits
+    finally:
+        if before is None:
+            del head.forward
+        else:
+            head.forward = before
+    return out[..., 0], out[..., 1] if entropy_grad else out[..., 1].detach()
+
+
 def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float,
                    entropy_grad: bool = False,
-                   chunk_mib: float = LOGPROB_CHUNK_MIB) -> tuple[torch.Tensor, torch.Tensor]:
+                   chunk_mib: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """log softmax(logits / temperature) of each next token, [B, T-1] float32, and the entropy
     of that distribution at each position, H = -sum_v p_v log p_v, [B, T-1] (with a gradient
-    only when `entropy_grad`, for an entropy bonus).
+    only when `entropy_grad`, for an entropy bonus). 0 where nothing is scored when `batch`
+    is packed (the model then runs on the packed row; see TokenBatch).
 
     The generator samples from the same temperature-scaled softmax (top_p = 1, no top_k), so
     the logprobs are directly comparable with the behaviour logprobs it returns.
 
-    Memory: the softmax over the vocabulary runs in chunks of about `chunk_mib` MiB of float32
-    (whole rows x a span of positions), each recomputed in backward (activation
-    checkpointing), so the float32 [B, T, V] tensors of an unchunked log-softmax never exist;
-    every value and gradient is the same, bit for bit (0 = one chunk).
+    Memory: when the float32 [B, T, V] softmax is over `chunk_mib` MiB, the LM head itself
+    runs in spans of positions of about that size (logits, float32 log-softmax, entropy and
+    the gather of the targets), each recomputed in backward, so no [B, T, V] tensor (logits or
+    their gradient) exists whole; values and gradients agree with the one-chunk computation
+    to float rounding (|d| <= 1e-5, tested). A model whose logits are not its head's output
+    (soft-capped, scaled) keeps whole logits and chunks only the softmax, bit for bit. 0 = one
+    chunk; None = LOGPROB_CHUNK_MIB.
     """
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    logits = logits[:, :-1]
-    B, T = batch.targets.shape
-    positions = int(chunk_mib * 2**20 / (4 * logits.shape[-1])) if chunk_mib > 0 else B * T
-    step = max(1, positions // max(B, 1))
-    if step >= T:
-        return _logprobs_of_chunk(logits, batch.targets, temperature, entropy_grad)
-    from torch.utils.checkpoint import checkpoint
-
-    parts = []
-    for lc, tc in zip(logits.split(step, dim=1), batch.targets.split(step, dim=1)):
-        if torch.is_grad_enabled() and lc.requires_grad:
-            parts.append(checkpoint(_logprobs_of_chunk, lc, tc, temperature, entropy_grad,
-                                    use_reentrant=False))
-        else:
-            parts.append(_logprobs_of_chunk(lc, tc, temperature, entropy_grad))
-    return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
+    chunk_mib = LOGPROB_CHUNK_MIB if chunk_mib is None else chunk_mib
+    inputs = model_inputs(batch)
+    targets = batch.targets if batch.packed is None else batch.packed.input_ids[:, 1:]
+    B, T = targets.shape
+    vocab = model.config.vocab_size
+    span = T if chunk_mib <= 0 else max(1, int(chunk_mib * 2**20 / (4 * vocab)) // max(B, 1))
+    head = _plain_head(model) if span < T else None
+    if head is not None:
+        lp, ent = _logprobs_through_head(model, head, inputs, targets, span, temperature,
+                                         entropy_grad)
+    else:
+        logits = model(**inputs).logits[:, :-1]
+        lp, ent = _over_spans(
+            lambda lg, t: _logprobs_of_chunk(lg, t, temperature, entropy_grad),
+            logits, targets, min(span, T))
+    return to_padded(batch, lp), to_padded(batch, ent)

@@ -14,14 +14,17 @@
        for each part one optimizer step of the policy (policy_loss, + beta * KL in loss mode,
        - entropy bonus) and, for PPO, one of the critic (clipped value loss)
 
+Micro-batches are trainer.micro_batch_size padded rows each, or, with
+trainer.max_tokens_per_micro_batch, bins of whole sequences packed end to end (first-fit
+decreasing by length), the model running on the packed row without padding; either way the
+losses read the same [B, T-1] tensors and the gradient sums the same per-token terms.
+
 FSDP2 makes every forward a collective, so every trainer rank runs the same number of
 micro-batches in every phase; a rank with fewer sequences (stale samples dropped, an uneven
 mini-batch cut) runs masked filler micro-batches that contribute nothing.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.distributed as dist
@@ -44,7 +47,8 @@ def policy_step(trainer: PolicyTrainer, batch: RolloutBatch | None, cfg, pad_id:
     """The whole update for one rollout batch (see the module docstring). `filler` holds the
     samples dropped as stale (counted, and used only as masked filler). Returns stats summed
     over the trainer ranks."""
-    alg, mb = cfg.algorithm, cfg.trainer.micro_batch_size
+    alg, mb = cfg.algorithm, (cfg.trainer.micro_batch_size,
+                              cfg.trainer.max_tokens_per_micro_batch)
     n = len(batch) if batch is not None else 0
     totals = _global_counts(batch, n, version, filler)
     # The padded tensors of the whole local batch, once: micro-batches are row slices of it.
@@ -94,6 +98,7 @@ def policy_step(trainer: PolicyTrainer, batch: RolloutBatch | None, cfg, pad_id:
 
     # 2. epochs x mini-batches of optimizer steps
     step_stats, critic_stats = [], []
+    forward_tokens = torch.zeros(2)  # [real, computed] tokens of the policy's forwards
     rank = dist.get_rank() if dist.is_initialized() else 0
     E, M = alg.epochs, alg.mini_batches
     for epoch in range(E):
@@ -105,6 +110,7 @@ def policy_step(trainer: PolicyTrainer, batch: RolloutBatch | None, cfg, pad_id:
         for part in range(M):
             idx = order[part * n // M:(part + 1) * n // M]
             micro, norm, tok_norm = _mini_batch(full, idx, blank, mb, cfg)
+            forward_tokens += _forward_tokens(micro, blank)
             step_stats.append(trainer.step(micro, _policy_loss_fn(alg, norm, reference)))
             if critic is not None:
                 critic_stats.append(critic.step(micro, _value_loss_fn(cfg, tok_norm)))
@@ -116,6 +122,8 @@ def policy_step(trainer: PolicyTrainer, batch: RolloutBatch | None, cfg, pad_id:
                      value_err_sum=c["value_err_sum"])
     if kl_reward:
         stats["kl_ref"] = float(_all_reduce_sum(kl_sum))
+    real, computed = _all_reduce_sum(forward_tokens).tolist()
+    stats["padding_share"] = 1.0 - real / max(computed, 1.0)
     stats.update(totals)
     return stats
 
@@ -138,16 +146,46 @@ def _global_counts(batch, n: int, version: int, filler) -> dict:
     return dict(zip(keys, local.tolist()), staleness_max=float(top))
 
 
-def _micro_count(n_local: int, mb: int) -> int:
-    """The most micro-batches any rank needs for its share (every rank runs that many)."""
-    count = torch.tensor([float(math.ceil(n_local / mb))])
+def _cut(full: TokenBatch | None, idx: torch.Tensor, blank: TokenBatch,
+         mb: tuple[int, int]) -> list[tuple[torch.Tensor, TokenBatch]]:
+    """The micro-batches of rows `idx` of the padded batch, as (rows, micro-batch): `mb[0]`
+    rows each, or with a token budget `mb[1]` > 0 packed bins of whole sequences; then masked
+    filler up to the largest count of any trainer rank (every rank runs as many forwards)."""
+    rows_per, budget = mb
+    if full is None or not len(idx):
+        parts = []
+    elif budget > 0:
+        lens = full.attention_mask[idx].sum(1)
+        parts = [idx[torch.tensor(b)] for b in pack_bins(lens.tolist(), budget)]
+    else:
+        parts = list(idx.split(rows_per))
+    cut = [(rows, full.take(rows).pack() if budget > 0 else full.take(rows)) for rows in parts]
+    count = torch.tensor([float(len(cut))])
     if dist.is_initialized():
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    return int(count)
+    return cut + [(idx[:0], blank)] * (int(count) - len(cut))
 
 
-def _prepare(trainer: PolicyTrainer, full: TokenBatch | None, blank: TokenBatch, mb: int,
-             reference, critic: PolicyTrainer | None):
+def pack_bins(lens: list[int], budget: int) -> list[list[int]]:
+    """First-fit decreasing: indices into `lens` grouped so that each group's lengths sum to
+    at most `budget` (a longer sequence alone); deterministic, groups in ascending index."""
+    order = sorted(range(len(lens)), key=lambda i: -lens[i])  # stable: ties by index
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        for k, r in enumerate(room):
+            if lens[i] <= r:
+                bins[k].append(i)
+                room[k] -= lens[i]
+                break
+        else:
+            bins.append([i])
+            room.append(budget - lens[i])
+    return [sorted(b) for b in bins]
+
+
+def _prepare(trainer: PolicyTrainer, full: TokenBatch | None, blank: TokenBatch,
+             mb: tuple[int, int], reference, critic: PolicyTrainer | None):
     """No-grad forwards over the local batch in micro-batches, gathered into [n, T-1] on the
     CPU: the reference's logprobs (or None) and the critic's values (or None)."""
     n = full.input_ids.shape[0] if full is not None else 0
@@ -155,9 +193,8 @@ def _prepare(trainer: PolicyTrainer, full: TokenBatch | None, blank: TokenBatch,
     ref_all = torch.zeros(shape) if reference is not None else None
     v_all = torch.zeros(shape) if critic is not None else None
     with torch.no_grad():
-        for k in range(_micro_count(n, mb)):
-            rows = torch.arange(k * mb, min((k + 1) * mb, n))
-            tbd = (full.take(rows) if len(rows) else blank).to(trainer.device)
+        for rows, micro in _cut(full, torch.arange(n), blank, mb):
+            tbd = micro.to(trainer.device)
             width = tbd.mask.shape[1]
             if reference is not None:
                 ref_logp, _ = token_logprobs(reference, tbd, trainer.temperature)
@@ -171,9 +208,10 @@ def _prepare(trainer: PolicyTrainer, full: TokenBatch | None, blank: TokenBatch,
     return ref_all, v_all
 
 
-def _mini_batch(full: TokenBatch | None, idx: torch.Tensor, blank: TokenBatch, mb: int, cfg):
-    """Micro-batches of the rows `idx` of the padded batch, padded with masked filler to the
-    global micro-batch count; and the mini-batch's global loss normaliser
+def _mini_batch(full: TokenBatch | None, idx: torch.Tensor, blank: TokenBatch,
+                mb: tuple[int, int], cfg):
+    """Micro-batches of the rows `idx` of the padded batch (with masked filler up to the
+    global micro-batch count); and the mini-batch's global loss normaliser
     (algorithm.loss_agg) and sampled-token count."""
     local = torch.tensor([float(full.mask[idx].sum()) if len(idx) else 0.0, float(len(idx))])
     if dist.is_initialized():
@@ -182,11 +220,18 @@ def _mini_batch(full: TokenBatch | None, idx: torch.Tensor, blank: TokenBatch, m
     norm = {"token_mean": n_tokens, "seq_mean_token_mean": n_seqs,
             # Dr. GRPO: a constant, N_seqs x the longest allowed response
             "seq_sum_constant": n_seqs * cfg.generator.max_new_tokens}[cfg.algorithm.loss_agg]
-    micro = []
-    for k in range(_micro_count(len(idx), mb)):
-        part = idx[k * mb:(k + 1) * mb]
-        micro.append(full.take(part) if len(part) else blank)
-    return micro, norm, n_tokens
+    return [micro for _, micro in _cut(full, idx, blank, mb)], norm, n_tokens
+
+
+def _forward_tokens(micro: list[TokenBatch], blank: TokenBatch) -> torch.Tensor:
+    """[real, computed] tokens of the forwards of `micro`: padding (and a filler micro-batch,
+    all of it) is computed but not real."""
+    out = torch.zeros(2)
+    for m in micro:
+        out[1] += m.packed.input_ids.numel() if m.packed is not None else m.input_ids.numel()
+        if m is not blank:
+            out[0] += float(m.attention_mask.sum())
+    return out
 
 
 def _policy_loss_fn(alg, norm: float, reference):

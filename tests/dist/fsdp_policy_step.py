@@ -5,7 +5,9 @@ with an unsharded or differently sharded run.
 Env: OUT (output file), EXTRA (space-separated recipe overrides), MODEL_DIR (a HF directory of
 the tiny model, needed for PPO's critic and a reference model), DEVICE (cpu, the default, on
 gloo; or cuda: one GPU per rank on NCCL), PLACE=1: a weight sender is built first, which moves
-the shards into its send buffers (fsdp.place_shards), and the step must take them along."""
+the shards into its send buffers (fsdp.place_shards), and the step must take them along;
+CHUNK_MIB: the logprobs' chunk size (llamarl.trainer.policy.LOGPROB_CHUNK_MIB), small enough
+to take the chunked LM head under FSDP2."""
 
 import os
 import sys
@@ -22,6 +24,7 @@ from llamarl.config import load_config  # noqa: E402
 from llamarl.parallel.fsdp import apply_fsdp  # noqa: E402
 from llamarl.parallel.weight_sync import WeightSender  # noqa: E402
 from llamarl.tiny.model import build_model  # noqa: E402
+from llamarl.trainer import policy as policy_mod  # noqa: E402
 from llamarl.trainer.critic import build_critic  # noqa: E402
 from llamarl.trainer.loop import load_reference  # noqa: E402
 from llamarl.trainer.rl_step import policy_step  # noqa: E402
@@ -36,6 +39,8 @@ def full(model):
 
 if __name__ == "__main__":
     rank, world, mesh, device = trainer_world()
+    if os.environ.get("CHUNK_MIB"):
+        policy_mod.LOGPROB_CHUNK_MIB = float(os.environ["CHUNK_MIB"])
     cfg = load_config(None, CFG + os.environ.get("EXTRA", "").split())
     model, tok = build_model(seed=0)
     model.to(device)
@@ -54,6 +59,7 @@ if __name__ == "__main__":
     stats = policy_step(trainer, batch, cfg, tok.pad_token_id, reference=reference,
                         critic=critic)
     out = {"state": full(model), "stats": stats,
+           "grads": {n: p.grad.full_tensor().cpu() for n, p in model.named_parameters()},
            "checkpointing": bool(getattr(model, "is_gradient_checkpointing", False))}
     if critic is not None:
         out["critic"] = full(critic.model)

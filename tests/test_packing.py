@@ -1,0 +1,100 @@
+"""Packed micro-batches (trainer.max_tokens_per_micro_batch): whole sequences end to end,
+attention kept inside each, outputs put back into the padded layout. The update equals the one
+with padded micro-batches (loss, statistics, gradients, to float rounding) for an outcome
+estimator, a sequence-level loss and PPO with its critic and a KL reference; and on two FSDP2
+ranks, packed and with the LM head chunked, it equals one unsharded padded process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DIST, torchrun
+from test_buffer import make_batch
+
+from llamarl.config import load_config
+from llamarl.tiny.model import build_model
+from llamarl.trainer import critic as critic_mod
+from llamarl.trainer.policy import load_policy, pad_rollouts, token_logprobs
+from llamarl.trainer.rl_step import pack_bins, policy_step
+from llamarl.trainer.step import PolicyTrainer
+
+BASE = ["trainer.micro_batch_size=3", "trainer.lr=1e-2", "trainer.ranks=1"]
+PACKED = ["trainer.max_tokens_per_micro_batch=24"]
+
+
+def test_pack_bins_is_first_fit_decreasing():
+    # 10 -> bin 0; 9 -> bin 1; 7 -> bin 2; 5 -> bin 2 (room 5); 4 -> bin 3; 3 -> bin 1; 2 -> bin 0
+    assert pack_bins([5, 9, 3, 7, 2, 10, 4], 12) == [[4, 5], [1, 2], [0, 3], [6]]
+    assert pack_bins([20, 3], 8) == [[0], [1]]  # a sequence over the budget goes alone
+    assert pack_bins([], 8) == []
+
+
+def test_packed_logprobs_equal_padded_ones():
+    model, tok = build_model(seed=0)
+    full = pad_rollouts(make_batch(3, 4, seed=2), tok.pad_token_id)
+    packed = full.pack()
+    assert packed.packed.input_ids.shape == (1, int(full.attention_mask.sum()))
+    assert packed.padding_share() == 0.0 < full.padding_share()
+    lp, ent = token_logprobs(model, full, 0.8)
+    plp, pent = token_logprobs(model, packed, 0.8)
+    scored = full.attention_mask[:, 1:] > 0
+    assert torch.allclose(lp[scored], plp[scored], atol=1e-5)
+    assert torch.allclose(ent[scored], pent[scored], atol=1e-5)
+    assert (plp[~scored] == 0).all() and (pent[~scored] == 0).all()
+
+
+def _update(extra: list[str], model_dir) -> tuple[dict, dict]:
+    cfg = load_config(None, BASE + extra)
+    model, tok = build_model(seed=0)
+    trainer = PolicyTrainer(model, cfg.trainer, 1, 1, torch.device("cpu"))
+    critic = reference = None
+    if cfg.algorithm.name == "ppo":
+        critic = PolicyTrainer(critic_mod.load_critic(str(model_dir), "float32"), cfg.trainer, 1,
+                               1, torch.device("cpu"),
+                               forward=lambda m, mb: (critic_mod.values(m, mb), None),
+                               name="critic")
+    if cfg.algorithm.kl_coef > 0:
+        reference = load_policy(str(model_dir), "float32").requires_grad_(False).eval()
+    stats = policy_step(trainer, make_batch(4, 4, seed=5), cfg, tok.pad_token_id,
+                        reference=reference, critic=critic)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    if critic is not None:
+        grads.update({f"critic.{n}": p.grad.clone()
+                      for n, p in critic.model.named_parameters() if p.grad is not None})
+    return stats, grads
+
+
+@pytest.mark.parametrize("alg", [
+    ["algorithm.name=grpo"],
+    ["algorithm.name=gspo", "algorithm.loss_agg=seq_mean_token_mean"],
+    ["algorithm.name=ppo", "algorithm.kl_coef=0.1", "algorithm.kl_mode=reward",
+     "algorithm.kl_estimator=k1", "algorithm.mini_batches=2", "critic.lr=1e-2"],
+], ids=["grpo", "gspo", "ppo_kl"])
+def test_packed_and_padded_updates_give_the_same_gradients(alg, tiny_model_dir):
+    padded, g_padded = _update(alg, tiny_model_dir)
+    packed, g_packed = _update(alg + PACKED, tiny_model_dir)
+    for key, value in padded.items():
+        assert packed[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    assert g_padded.keys() == g_packed.keys()
+    for name, g in g_padded.items():
+        assert torch.allclose(g_packed[name], g, rtol=1e-4, atol=1e-6), name
+    assert max(g.abs().max() for g in g_padded.values()) > 1e-3  # a real update
+
+
+def test_two_fsdp2_ranks_packed_with_a_chunked_head_match_one_padded_process(tmp_path):
+    """Under FSDP2 the chunked head runs inside the root's forward (its tied weight unsharded)
+    and its gradient reaches the sharded embedding: the same step as one plain process."""
+    proc = torchrun(2, [str(DIST / "fsdp_policy_step.py")], timeout=300, OUT=tmp_path / "o.pt",
+                    EXTRA=PACKED[0], CHUNK_MIB="0.0001")  # one position per span
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sharded = torch.load(tmp_path / "o.pt")
+    cfg = load_config(None, ["trainer.micro_batch_size=3", "trainer.lr=1e-2",
+                             "trainer.ranks=2"])
+    model, tok = build_model(seed=0)
+    trainer = PolicyTrainer(model, cfg.trainer, 1, 1, torch.device("cpu"))
+    stats = policy_step(trainer, make_batch(4, 4, seed=5), cfg, tok.pad_token_id)
+    assert sharded["stats"]["loss"] == pytest.approx(stats["loss"], abs=1e-5)
+    assert sharded["stats"]["grad_norm"] == pytest.approx(stats["grad_norm"], rel=1e-4)
+    # gradients, not Adam's steps: Adam turns a rounding-level gradient into a whole lr step
+    for name, p in model.named_parameters():
+        assert torch.allclose(sharded["grads"][name], p.grad, rtol=1e-4, atol=1e-6), name
