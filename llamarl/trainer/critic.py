@@ -29,6 +29,8 @@ def load_critic(path: str, dtype: str, attn_implementation: str = "sdpa") -> tor
     from transformers import AutoConfig, AutoModelForTokenClassification
     from transformers.utils import logging as hf_logging
 
+    from llamarl.trainer.varlen_attention import implementation
+
     config = AutoConfig.from_pretrained(path, num_labels=1)
     config.classifier_dropout = 0.0  # a value regression: no dropout on the head's input
     level = hf_logging.get_verbosity()
@@ -36,7 +38,7 @@ def load_critic(path: str, dtype: str, attn_implementation: str = "sdpa") -> tor
     try:
         model, info = AutoModelForTokenClassification.from_pretrained(
             path, config=config, dtype=DTYPES[dtype], output_loading_info=True,
-            attn_implementation=attn_implementation)
+            attn_implementation=implementation(attn_implementation))
     finally:
         hf_logging.set_verbosity(level)
     model.config.use_cache = False

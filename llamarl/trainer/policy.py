@@ -14,8 +14,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def load_policy(path: str, dtype: str, attn_implementation: str = "sdpa") -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype],
-                                                 attn_implementation=attn_implementation)
+    from llamarl.trainer.varlen_attention import implementation
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=DTYPES[dtype], attn_implementation=implementation(attn_implementation))
     model.config.use_cache = False
     return model
 

@@ -1,0 +1,69 @@
+"""Attention for packed rows without flash-attn: scaled-dot-product attention sequence by
+sequence.
+
+A packed micro-batch is one row [1, L] of whole sequences laid end to end, their position ids
+restarting at 0 for each (trainer/policy.py: TokenBatch.pack). Hugging Face's sdpa would keep
+attention inside each sequence with an L x L block-diagonal mask, computing the whole square: at
+L = 2048 on the 24M bench model that made the packed update slower than the padded one.
+Here each sequence [a, b) of the row attends causally to itself only, one
+`scaled_dot_product_attention(is_causal=True)` per sequence, so the work is the sum of the
+sequences' own squares, as flash-attn's varlen kernels do on a GPU.
+
+Registered with Hugging Face as `llamarl_sdpa`; `load_policy`/`load_critic` use it for
+`model.attn_implementation: sdpa`. Anything that is not a packed row (a padded batch with its
+attention mask, a single sequence) goes to Hugging Face's own sdpa unchanged, with the same mask,
+so padded results are bit for bit those of `sdpa`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+NAME = "llamarl_sdpa"
+
+
+def _sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                  **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    pos = kwargs.get("position_ids")
+    if attention_mask is not None or pos is None or query.shape[0] != 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      dropout=dropout, scaling=scaling, **kwargs)
+    starts = torch.nonzero(pos[0] == 0).flatten().tolist()
+    if len(starts) <= 1 or starts[0] != 0:  # one sequence (or not our packing): plain causal
+        return sdpa_attention_forward(module, query, key, value, None, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    bounds = starts + [query.shape[2]]
+    gqa = query.shape[1] != key.shape[1]  # query [1, H, L, D], key/value [1, H_kv, L, D]
+    p = dropout if module.training else 0.0
+    out = torch.cat([F.scaled_dot_product_attention(
+        query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=p, is_causal=True,
+        scale=scaling, enable_gqa=gqa) for a, b in zip(bounds, bounds[1:])], dim=2)
+    return out.transpose(1, 2).contiguous(), None  # [1, L, H, D], as HF's sdpa returns
+
+
+def _mask(*args, attention_mask=None, **kwargs):
+    """No L x L mask for a packed row (no 2-D attention mask): the attention splits it by
+    position ids; otherwise sdpa's own mask."""
+    from transformers.masking_utils import sdpa_mask
+
+    if attention_mask is None:
+        return None
+    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
+def register() -> str:
+    """Register the attention with Hugging Face (idempotent); its name for from_pretrained."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, _sdpa_forward)
+    AttentionMaskInterface.register(NAME, _mask)
+    return NAME
+
+
+def implementation(name: str) -> str:
+    """The implementation to load for `model.attn_implementation` = name."""
+    return register() if name == "sdpa" else name
