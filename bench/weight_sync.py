@@ -222,9 +222,9 @@ def generator(rt, args) -> None:
         posted_at.append(time.perf_counter())
         post_weights()
 
-    def load_and_confirm() -> None:
+    def load_and_confirm(version: int | None = None) -> None:
         """The follower's receive ends: the weights are usable in the engine."""
-        load_posted_weights()
+        load_posted_weights(version)
         load_s.append(time.perf_counter() - posted_at[-1])
         rt.store.set(f"bench/loaded/{len(load_s) - 1}", "1")
 

@@ -195,6 +195,16 @@ class GeneratorConfig:
     block_size: int = 0
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = True
+    # batch: each engine generates a whole batch, then loads weights (exact on-policy with
+    # sync.max_staleness = 0, bitwise reproducible). continuous (sync.max_staleness >= 1): the
+    # engine keeps `in_flight_sequences` sequences running and never drains; new weights are
+    # loaded between two engine steps while sequences run on, and a batch ships as soon as
+    # enough prompt groups are complete (docs/generator.md: continuous generation).
+    mode: str = "batch"  # batch | continuous
+    in_flight_sequences: int = 0  # continuous: 0 = one batch of this engine (prompts x samples)
+    # continuous: the KV cache of sequences running through a weight load: recompute (under the
+    # new weights, exact) | keep (PipelineRL's choice: cheaper, later tokens see stale KV)
+    in_flight_kv: str = "recompute"
     # DAPO dynamic sampling (llamarl/rewards/dynamic_sampling.py): drop prompt groups whose
     # rewards are all equal and draw new prompts until the batch is full, for at most
     # max_sampling_rounds generate calls per batch (then fill with dropped groups, counted).
@@ -306,6 +316,8 @@ BUILTIN_REWARDS = ("reverse_match", "exact_match", "gsm8k", "boxed", "format")
 
 _CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
+    "generator.mode": ("batch", "continuous"),
+    "generator.in_flight_kv": ("recompute", "keep"),
     "model.attn_implementation": ("sdpa", "eager", "flash_attention_2", "flex_attention"),
     "trainer.master_dtype": ("float32", "bfloat16"),
     "trainer.lr_schedule": ("constant", "cosine"),
@@ -366,6 +378,7 @@ def validate(cfg: Config) -> Config:
                        "generator.threads": cfg.generator.threads,
                        "generator.kv_cache_gib": cfg.generator.kv_cache_gib,
                        "generator.max_num_seqs": cfg.generator.max_num_seqs,
+                       "generator.in_flight_sequences": cfg.generator.in_flight_sequences,
                        "trainer.weight_decay": cfg.trainer.weight_decay,
                        "trainer.grad_clip": cfg.trainer.grad_clip,
                        "algorithm.kl_coef": cfg.algorithm.kl_coef,
@@ -411,6 +424,7 @@ def validate(cfg: Config) -> Config:
               "need 0 < icepop_low < 1 < icepop_high")
     _validate_reward(cfg)
     _validate_rollout(cfg)
+    _validate_continuous(cfg)
     if cfg.generator.tp > 1:
         _fail("generator.tp", cfg.generator.tp,
               "tensor-parallel engines are laid out (llamarl/launch/layout.py) but their SPMD "
@@ -429,6 +443,29 @@ def validate(cfg: Config) -> Config:
               f"must leave room for the prompt plus generator.max_new_tokens "
               f"({cfg.generator.max_new_tokens}); raise it")
     return cfg
+
+
+def _validate_continuous(cfg: Config) -> None:
+    g = cfg.generator
+    if g.mode != "continuous":
+        return
+    if cfg.sync.max_staleness < 1:
+        _fail("generator.mode", g.mode, "continuous generation samples across weight "
+              "updates: set sync.max_staleness >= 1, or generator.mode=batch for exact "
+              "on-policy training")
+    if cfg.sync.deterministic:
+        _fail("sync.deterministic", True, "continuous generation loads weights whenever they "
+              "arrive, so its batches depend on timing: use generator.mode=batch for "
+              "reproducible asynchronous runs")
+    if cfg.rollout.source != "single_turn":
+        _fail("generator.mode", g.mode, f"continuous generation drives single-turn sampling "
+              f"only so far (rollout.source is {cfg.rollout.source!r}): use generator.mode="
+              "batch")
+    per_engine = g.prompts_per_step // max(g.engines, 1) * g.samples_per_prompt
+    if g.in_flight_sequences and g.in_flight_sequences < g.samples_per_prompt:
+        _fail("generator.in_flight_sequences", g.in_flight_sequences,
+              f"must hold at least one prompt group ({g.samples_per_prompt} samples), or 0 "
+              f"for one batch of this engine ({per_engine})")
 
 
 def _validate_data(data: DataConfig) -> None:

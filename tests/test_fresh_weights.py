@@ -52,7 +52,7 @@ def follower(tmp_path):
     loads = []
     # the follower posts the receives, reads the announced version, then loads
     engine = SimpleNamespace(post_weights=lambda: None,
-                             load_posted_weights=lambda: loads.append(time.monotonic()))
+                             load_posted_weights=lambda v: loads.append(time.monotonic()))
     w = WeightFollower(rt, engine, evaluator=None, timeline=Timeline(tmp_path, 0, "generator 0"))
     w.loads = loads
     return w, Trainer(store)

@@ -76,14 +76,24 @@ class Sample:
         if self.turns == 0:
             self.prompt_len = len(self.token_ids)
 
-    def add_sampled(self, ids, logprobs, version: int) -> None:
-        """One assistant turn, exactly as the engine sampled it."""
+    def add_sampled(self, ids, logprobs, version: int, new_turn: bool = True) -> None:
+        """One assistant turn, exactly as the engine sampled it; `new_turn=False`: more
+        tokens of the same turn, sampled by another version (a weight load mid-turn)."""
         assert len(ids) == len(logprobs), (len(ids), len(logprobs))
         self.token_ids.extend(ids)
         self.logprobs.extend(logprobs)
         self.segments.append(len(ids))
         self.versions.append(version)
-        self.turns += 1
+        self.turns += new_turn
+
+    def add_completion(self, c, version: int) -> None:
+        """One assistant turn from an engine Completion: one segment per span of tokens
+        sampled by one version (c.versions), or all by `version` when it has none."""
+        spans = c.versions or [(len(c.token_ids), version)]
+        at = 0
+        for i, (n, v) in enumerate(spans):
+            self.add_sampled(c.token_ids[at:at + n], c.logprobs[at:at + n], v, new_turn=i == 0)
+            at += n
 
 
 @dataclass

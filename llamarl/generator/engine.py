@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +41,37 @@ class Completion:
     logprobs: list[float]  # log pi_behaviour(token_t | prefix), after temperature
     finish_reason: str  # "stop" (EOS) | "length"
     text: str
+    # (tokens, policy version) spans in order, for a request that ran while weights were
+    # loaded (submit/step); None: every token by the version of the generate call
+    versions: list[tuple[int, int]] | None = None
+
+
+@dataclass
+class _Request:
+    """A submitted sample while it runs. `token_ids`/`logprobs`: what earlier vLLM requests of
+    this sample generated (before in-flight weight loads that recomputed its KV; the running
+    vLLM request `vllm_id` = `<id>#<restarts>` continues from prompt + these). `spans`:
+    [tokens, version] of every token known so far, of which the first `marked` tokens of the
+    running vLLM request."""
+
+    prompt_ids: list[int]
+    temperature: float
+    max_tokens: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    spans: list[list[int]] = field(default_factory=list)
+    marked: int = 0
+    restarts: int = 0
+    vllm_id: str = ""
+
+    def mark(self, upto: int, version: int) -> None:
+        """Tokens [marked, upto) of the running vLLM request were sampled by `version`."""
+        if upto > self.marked:
+            if self.spans and self.spans[-1][1] == version:
+                self.spans[-1][0] += upto - self.marked
+            else:
+                self.spans.append([upto - self.marked, version])
+            self.marked = upto
 
 
 def _completion(c) -> Completion:
@@ -122,6 +154,9 @@ class Engine:
         if cfg.block_size:
             extra["block_size"] = cfg.block_size
         self.cfg = cfg
+        self.version = 0  # the policy version of the loaded weights (set by the caller)
+        self._requests: dict[str, _Request] = {}  # submitted and not finished, by id
+        self.recomputed_tokens = 0  # prompt + generated tokens re-prefilled after loads
         try:
             self.llm = LLM(
                 model=model_path, dtype=dtype, seed=seed, tensor_parallel_size=cfg.tp,
@@ -195,6 +230,7 @@ class Engine:
         """
         from vllm import SamplingParams, TokensPrompt
 
+        paused = self._pause()  # requests in flight (continuous mode): continue them after
         self.begin(seed)
         params = SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0,
                                 max_tokens=max_tokens, logprobs=0)
@@ -205,6 +241,8 @@ class Engine:
             raise RuntimeError(f"the vLLM engine failed generating {len(prompts)} prompts x {n} "
                                f"samples of up to {max_tokens} tokens: {self._meaning(e)} "
                                f"({_first_line(e)})") from e
+        if paused:
+            self._resume()
         return [[_completion(c) for c in out.outputs] for out in outputs]
 
     def begin(self, seed: int) -> None:
@@ -220,33 +258,128 @@ class Engine:
         self.worker.llamarl_seed_sampler(seed)
 
     # -- request by request (multi-turn episodes: a turn is submitted when its context is
-    # ready, while other episodes generate) ----------------------------------------------
+    # ready, while other episodes generate; continuous mode: a prompt group is submitted when
+    # there is room) ------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], temperature: float,
                max_tokens: int) -> None:
         """Queue one sample of `prompt_ids`; step() returns it when it is done."""
+        req = _Request(list(prompt_ids), temperature, max_tokens)
+        self._requests[request_id] = req
+        self._add(request_id, req)
+
+    def _add(self, request_id: str, req: _Request) -> None:
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        params = SamplingParams(n=1, temperature=temperature, top_p=1.0, top_k=0,
-                                max_tokens=max_tokens, logprobs=0,
+        # FINAL_ONLY: vLLM builds no output for a running request (streaming every token cost
+        # 12% of the tiny model's tokens/s); a weight load reads its tokens so far from
+        # vLLM's request state instead (_running_states)
+        params = SamplingParams(n=1, temperature=req.temperature, top_p=1.0, top_k=0,
+                                max_tokens=req.max_tokens - len(req.token_ids), logprobs=0,
                                 output_kind=RequestOutputKind.FINAL_ONLY)
-        self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_ids),
-                                        params)
+        req.vllm_id = f"{request_id}#{req.restarts}"
+        self.llm.llm_engine.add_request(
+            req.vllm_id, TokensPrompt(prompt_token_ids=req.prompt_ids + req.token_ids), params)
 
     def step(self) -> list[tuple[str, Completion]]:
-        """One engine step; the requests that finished in it. Prefix caching stays on within
-        a call, so a turn reuses the KV of its episode's earlier tokens."""
+        """One engine step; the requests that finished in it, each with the versions that
+        sampled its tokens. Prefix caching stays on within a call, so a turn reuses the KV of
+        its episode's earlier tokens."""
         try:
             outputs = self.llm.llm_engine.step()
         except Exception as e:
             raise RuntimeError(f"the vLLM engine failed: {self._meaning(e)} "
                                f"({_first_line(e)})") from e
-        return [(out.request_id, _completion(out.outputs[0])) for out in outputs
-                if out.finished]
+        done = []
+        for out in outputs:
+            if not out.finished:
+                continue
+            request_id = out.request_id.rsplit("#", 1)[0]
+            req = self._requests.pop(request_id)
+            c = out.outputs[0]
+            ids = list(c.token_ids)
+            req.mark(len(ids), self.version)
+            lps = [lp[tok].logprob for tok, lp in zip(ids, c.logprobs)]
+            text = c.text
+            if req.restarts:  # the text of the whole sample, not of its last continuation
+                text = self.tokenizer.decode(req.token_ids + ids, skip_special_tokens=True)
+            done.append((request_id, Completion(
+                req.token_ids + ids, req.logprobs + lps, c.finish_reason or "length", text,
+                [(n, v) for n, v in req.spans])))
+        return done
 
     @property
     def busy(self) -> bool:
         return self.llm.llm_engine.has_unfinished_requests()
+
+    @property
+    def running(self) -> int:
+        """Submitted samples not finished yet."""
+        return len(self._requests)
+
+    def abort_all(self) -> None:
+        """Drop every submitted request (the run is over; nothing will read them)."""
+        self._pause()
+        self._requests.clear()
+
+    def swap_weights(self, load: Callable[[], object], version: int) -> None:
+        """Run `load()` (it replaces the model's weights) between two engine steps, and make
+        `version` the version of the tokens sampled from now on.
+
+        Requests in flight continue under the new weights. generator.in_flight_kv says what
+        happens to their KV cache: `recompute` (default) aborts them, loads, empties the
+        prefix cache and resubmits each as its prompt plus its tokens so far, so the new
+        weights re-prefill every position and every later token is sampled exactly as the
+        new policy would (the trainer recomputes the same logprobs); `keep` (PipelineRL)
+        loads under them, so later tokens attend to keys and values computed by older
+        weights (cheaper; the mismatch is measured in docs/generator.md)."""
+        states = self._running_states()
+        for req in self._requests.values():  # tokens so far: sampled by the old version
+            state = states.get(req.vllm_id)
+            if state is not None:
+                req.mark(len(state.detokenizer.output_token_ids), self.version)
+        paused = self._pause(states) if self.cfg.in_flight_kv == "recompute" else False
+        load()
+        self.version = version
+        if paused:
+            self._resume()
+
+    def _running_states(self) -> dict:
+        """vLLM's output-processor state of every running request, by our request id (the
+        tokens and logprobs it has generated so far)."""
+        if not self._requests:
+            return {}
+        states = self.llm.llm_engine.output_processor.request_states.values()
+        return {getattr(st, "external_req_id", None) or st.request_id: st for st in states}
+
+    def _pause(self, states: dict | None = None) -> bool:
+        """Abort the vLLM requests of every running sample, keeping its tokens so far; True if
+        there were any."""
+        if not self._requests:
+            return False
+        states = self._running_states() if states is None else states
+        for req in self._requests.values():
+            state = states.get(req.vllm_id)
+            if state is None:  # not started yet: it restarts from its prompt
+                continue
+            ids = list(state.detokenizer.output_token_ids)
+            req.mark(len(ids), self.version)
+            lps = state.logprobs_processor.logprobs
+            req.token_ids += ids
+            req.logprobs += [lps[i][tok].logprob for i, tok in enumerate(ids)]
+            req.marked = 0
+        self.llm.llm_engine.abort_request([r.vllm_id for r in self._requests.values()])
+        return True
+
+    def _resume(self) -> None:
+        """Resubmit every paused sample, from an empty prefix cache, as a continuation."""
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after pausing every "
+                               "request: a continuation would reuse KV of the old weights")
+        for request_id, req in self._requests.items():
+            req.restarts += 1
+            self.recomputed_tokens += len(req.prompt_ids) + len(req.token_ids)
+            self._add(request_id, req)
 
     def join_weight_group(self, specs: list, metas_json: list[str], bucket_mb: int,
                           solo_mb: float | None = None) -> None:
@@ -265,12 +398,14 @@ class Engine:
         (the caller may do other work, e.g. read the version announced, while they travel)."""
         self.worker.llamarl_post_receives()
 
-    def load_posted_weights(self) -> None:
-        """Blocking: finish the sync that post_weights started. The prefix cache (KV computed
+    def load_posted_weights(self, version: int | None = None) -> None:
+        """Blocking: finish the sync that post_weights started; `version`: the policy version
+        it carries (see swap_weights for requests in flight). The prefix cache (KV computed
         with the old weights) is emptied by the next generate call, as every call does: not
         while the bytes travel, where its ~0.1 ms of CPU slowed a tiny model's transfer on the
         2-core CPU."""
-        self.worker.llamarl_load_received()
+        self.swap_weights(self.worker.llamarl_load_received,
+                          self.version if version is None else version)
 
     def checksum(self) -> float:
         return self.llm.collective_rpc("llamarl_state_checksum")[0]

@@ -9,6 +9,8 @@ Loop of engine e with max_staleness = k, V = version of the loaded weights:
          block on until V >= b - 1, the version the trainer publishes before taking it)
         stop once V reaches the trainer's final version
         groups = source.collect(next prompts of shard e, n samples each)      # policy V
+            (generator.mode = continuous: generator/continuous.py instead; the engine never
+             drains and loads weights between two engine steps)
             (rollout.source: single-turn sampling + reward.*, or multi-turn episodes of
              rollout.env; with dynamic sampling: repeat for the groups dropped)
         split whole groups over the T trainer ranks; put()
@@ -38,6 +40,7 @@ from llamarl.buffer.record import FINISH_REASONS, RolloutBatch, split_groups
 from llamarl.data.dataset import PromptData, load_prompt_data
 from llamarl.data.loader import PromptLoader, shard
 from llamarl.data.prompts import PromptFormatter
+from llamarl.generator.continuous import run_continuous
 from llamarl.generator.engine import Engine, EngineWorld, sampler_seed
 from llamarl.generator.evaluate import Evaluator
 from llamarl.generator.weights import WeightFollower, fresh_version
@@ -88,10 +91,13 @@ def encode_prompts(rt: Runtime, data: PromptData, fmt: PromptFormatter):
 
 
 def largest_call(rt: Runtime, held_out: int) -> int:
-    """Sequences of this engine's largest generate call: a training batch, or the held-out
-    evaluation (its share of the held-out prompts x eval_samples_per_prompt)."""
+    """Sequences of this engine's largest generate call: a training batch (continuous mode:
+    the sequences kept running), or the held-out evaluation (its share of the held-out
+    prompts x eval_samples_per_prompt)."""
     cfg, engines = rt.cfg, rt.layout.engines
     train = cfg.generator.prompts_per_step // engines * cfg.generator.samples_per_prompt
+    if cfg.generator.mode == "continuous":  # sequences kept running (an evaluation pauses them)
+        train = cfg.generator.in_flight_sequences or train
     evaluation = -(-held_out // engines) * cfg.data.eval_samples_per_prompt
     return max(train, evaluation)
 
@@ -165,8 +171,12 @@ def run_generator(rt: Runtime) -> None:
         return any(ch.unconsumed() > 0 for ch in channels)
 
     try:
-        while weights.follow(need=b - k, queued=queued, prefer=fresh_version(b, k, cfg.sync.every)
-                             if prefer_fresh else None, exact=cfg.sync.deterministic):
+        if g.mode == "continuous":  # generator/continuous.py: the engine never drains
+            run_continuous(rt, engine, scorer, loader, weights, channels, timeline, b,
+                           _to_batch, data.bad_row_count)
+        while g.mode == "batch" and weights.follow(
+                need=b - k, queued=queued, exact=cfg.sync.deterministic,
+                prefer=fresh_version(b, k, cfg.sync.every) if prefer_fresh else None):
             batch = sample_batch(rt, source, loader.next, weights.version, b)
             # the loader's position right after this batch (dynamic sampling draws a varying
             # number of prompts per batch)

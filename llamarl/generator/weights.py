@@ -51,7 +51,7 @@ class WeightFollower:
         start = time.time()
         self.engine.post_weights()  # the bytes start moving; the version is read meanwhile
         v = announced_version(self.rt.store, self.received)
-        self.engine.load_posted_weights()
+        self.engine.load_posted_weights(v)
         self.timeline.record("load_weights", start, time.time(), v)
         self.received += 1
         self.version = v

@@ -26,7 +26,7 @@ class SingleTurnSource(RolloutSource):
             for c in grp.completions:
                 s = Sample(finish="stop" if c.finish_reason == "stop" else "length")
                 s.add_context(grp.prompt.token_ids)
-                s.add_sampled(c.token_ids, c.logprobs, version)
+                s.add_completion(c, version)
                 grp.samples.append(s)
         return Collected(scored, {"generate_s": t1 - t0, "reward_s": time.perf_counter() - t1,
                                   "reward_errors": scores.errors,

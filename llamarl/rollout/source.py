@@ -75,11 +75,35 @@ def build_source(ctx: SourceContext) -> RolloutSource:
 
 
 def rollout_metrics(infos: list[dict]) -> dict:
-    """Multi-turn episode metrics of one trainer step from the rollout batches' info (one per
-    engine); {} for single-turn sources."""
+    """Multi-turn episode metrics and continuous-generation metrics of one trainer step from
+    the rollout batches' info (one per engine); {} for single-turn batch generation."""
+    out = _continuous_metrics([i["rollout"] for i in infos
+                               if i.get("rollout", {}).get("continuous")])
     parts = [i["rollout"] for i in infos if i.get("rollout", {}).get("episodes")]
     if not parts:
+        return out
+    return {**out, **_episode_metrics(parts)}
+
+
+def _continuous_metrics(parts: list[dict]) -> dict:
+    """generator.mode = continuous (generator/continuous.py), over the engines."""
+    if not parts:
         return {}
+    tot = {k: sum(p[k] for p in parts) for k in parts[0]}
+    samples = max(tot["samples"], 1.0)
+    return {
+        # the engine stepped for this share of the time since its previous batch
+        "engine_busy_share": tot["engine_busy_s"] / max(tot["wall_s"], 1e-9),
+        "in_flight_mean": tot["in_flight_mean"] / len(parts),  # sequences per engine step
+        # max - min policy version among a sample's tokens, and the samples with more than one
+        "version_spread_mean": tot["version_spread_sum"] / samples,
+        "spanning_share": tot["spanning_samples"] / samples,
+        "stale_groups_discarded": int(tot["stale_groups_discarded"]),
+        "recomputed_tokens": int(tot["recomputed_tokens"]),  # re-prefilled after weight loads
+    }
+
+
+def _episode_metrics(parts: list[dict]) -> dict:
     tot = {k: sum(p.get(k, 0.0) for p in parts) for k in parts[0]}
     episodes = max(tot["episodes"], 1.0)
     return {

@@ -1,0 +1,86 @@
+"""Continuous generation (generator.mode: continuous): weights loaded between two engine steps
+while sequences run, each token tagged with the version that sampled it; and the whole loop
+end to end with two engines."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import DIST, ROOT, child_env, torchrun
+from test_async_e2e import SMALL, SOLO, metrics_of
+
+from llamarl.buffer.record import RolloutBatch, Sample
+from llamarl.config import load_config
+from llamarl.generator.engine import Completion
+
+RECIPE = "recipes/tiny_grpo_cpu.yaml"
+CONTINUOUS = ["generator.mode=continuous", "sync.max_staleness=2"]
+
+
+def test_a_completion_sampled_by_two_versions_becomes_two_segments_of_one_turn():
+    s = Sample()
+    s.add_context([1, 2, 3])
+    s.add_completion(Completion([5, 6, 7], [-0.1, -0.2, -0.3], "stop", "", [(2, 4), (1, 5)]), 9)
+    batch = RolloutBatch.from_samples([s], [1.0], [0], 0)
+    assert batch.token_version.tolist() == [-1, -1, -1, 4, 4, 5]
+    assert batch.policy_version.tolist() == [4] and batch.turns.tolist() == [1]
+    plain = Sample()  # a batch-mode completion: every token by the call's version
+    plain.add_completion(Completion([5], [-0.1], "stop", ""), 9)
+    assert plain.versions == [9]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["generator.mode=continuous"], "sync.max_staleness >= 1"),
+    (CONTINUOUS + ["sync.deterministic=true"], "generator.mode=batch"),
+    (CONTINUOUS + ["rollout.source=multi_turn", "rollout.env=llamarl.envs.lookup:LookupEnv",
+                    "reward.functions=[]"], "single-turn"),
+    (CONTINUOUS + ["generator.in_flight_sequences=3"], "at least one prompt group"),
+])
+def test_continuous_mode_config_errors(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(RECIPE, overrides)
+
+
+def _in_flight(model_dir, kv: str) -> dict:
+    proc = subprocess.run([sys.executable, str(DIST / "engine_in_flight.py"), str(model_dir),
+                           kv], cwd=ROOT, env=child_env(OMP_NUM_THREADS=2),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_tokens_sampled_after_an_in_flight_update_match_the_new_weights(tiny_model_dir):
+    """recompute: after the load every running sequence is re-prefilled by the new weights,
+    so the logprobs the engine returns for later tokens are the trainer's under version 1."""
+    out = _in_flight(tiny_model_dir, "recompute")
+    assert out["finished"] == 32 and out["running_at_load"] > 0
+    assert out["spanning"] > 0 and out["versions"] == [0, 1], out
+    assert out["max_abs_diff"]["0"] <= 1e-3 and out["max_abs_diff"]["1"] <= 1e-3, out
+    assert out["recomputed_tokens"] > 0
+    # keep (PipelineRL): later tokens attend to KV of the old weights, and it shows
+    kept = _in_flight(tiny_model_dir, "keep")
+    assert kept["spanning"] > 0 and kept["recomputed_tokens"] == 0
+    assert kept["max_abs_diff"]["1"] > 10 * max(out["max_abs_diff"]["1"], 1e-4), (out, kept)
+
+
+@pytest.mark.slow
+def test_two_engines_generate_continuously(tmp_path, cache_dir):
+    proc = torchrun(4, ["-m", "llamarl.launch", RECIPE, "run.steps=6", "generator.engines=2",
+                        *CONTINUOUS, "algorithm.correction=aipo", SOLO, "run.eval_every=3",
+                        f"run.output_dir={tmp_path}", *[a for a in SMALL if "eval_every" not in a]],
+                    timeout=600, LLAMARL_CACHE=cache_dir)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    run, rows = metrics_of(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    for r in rows:
+        assert r["staleness_max"] <= 2 and r["dropped_stale"] == 0
+        assert 0 < r["engine_busy_share"] <= 1 and r["in_flight_mean"] > 0
+        assert 0 <= r["spanning_share"] <= 1
+        assert set(r["behaviour_version_by_engine"]) == {"0", "1"}
+    assert rows[-1]["behaviour_version_by_engine"]["0"] >= 2
+    assert any(r["spanning_share"] > 0 for r in rows), rows  # sequences ran through loads
+    evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 3, 6]
