@@ -3,14 +3,15 @@
 Batch mode generates a whole batch, waits for its longest response, then stops to load
 weights. Here engine e keeps up to `in_flight_sequences` sequences running:
 
-    submit prompt groups (G samples each) while there is room and no batch is waiting
+    submit prompt groups (G samples each) while there is room and the group can still be
+        fresh in the batch it will land in
     loop, between two engine steps:
         load every weight broadcast announced (Engine.swap_weights: running sequences go on
             under the new weights, their KV recomputed or kept: generator.in_flight_kv);
             block only while the loaded version V < b - k
         one engine step; a group is complete when its G samples are: score it
-        once `prompts_per_step / engines` complete groups are ready and the trainer has room:
-            ship them as batch b (FIFO: the first completed first), b += 1
+        once the `prompts_per_step / engines` groups submitted first are complete and the
+            trainer has room: ship them as batch b, b += 1
 
 Each token records the version that sampled it (Completion.versions -> one Sample segment per
 span), so a sample's policy_version is its oldest token and sync.max_staleness bounds that:
@@ -42,17 +43,18 @@ class GroupPool:
         self.engine, self.n = engine, n
         self.temperature, self.max_tokens = temperature, max_tokens
         self.groups: dict[int, tuple[object, list[Completion | None]]] = {}
-        self._next = 0
+        self.submitted = 0  # groups submitted so far; the next one's number
 
     def submit(self, prompt) -> None:
-        gid, self._next = self._next, self._next + 1
+        gid, self.submitted = self.submitted, self.submitted + 1
         self.groups[gid] = (prompt, [None] * self.n)
         for i in range(self.n):
             self.engine.submit(f"{gid}/{i}", prompt.token_ids, self.temperature,
                                self.max_tokens)
 
-    def step(self) -> list[tuple[object, list[Completion]]]:
-        """One engine step; the groups it completed, as (prompt, G completions)."""
+    def step(self) -> list[tuple[int, object, list[Completion]]]:
+        """One engine step; the groups it completed, as (group number in order of
+        submission, prompt, G completions)."""
         done = []
         for request_id, c in self.engine.step():
             gid, i = map(int, request_id.split("/"))
@@ -60,7 +62,7 @@ class GroupPool:
             completions[i] = c
             if all(x is not None for x in completions):
                 del self.groups[gid]
-                done.append((prompt, completions))
+                done.append((gid, prompt, completions))
         return done
 
 
@@ -115,11 +117,19 @@ def run_continuous(rt: Runtime, engine, scorer, loader, weights, channels, timel
                 continue
             if len(ready) >= per_engine and all(ch.unconsumed() < ch.capacity
                                                 for ch in channels):
-                shipped, ready = _ship(rt, ready, per_engine, b, meter, loader, channels,
-                                       weights, timeline, to_batch, data_bad_rows)
+                shipped, ready = _ship(rt, ready, min(pool.groups, default=pool.submitted),
+                                       per_engine, b, meter, loader, channels, weights,
+                                       timeline, to_batch, data_bad_rows)
                 b += shipped
-                continue
-            while len(ready) < per_engine and engine.running + n <= room_for:
+                if shipped:
+                    continue
+            # Admit a new group only if it can still be fresh where it will land: behind the
+            # groups ready and running, in batch b + (ready + running) // per_engine, whose
+            # oldest token may be no older than that batch - k. Ahead of that (the trainer is
+            # the bottleneck) the engine finishes what runs and waits, rather than sampling
+            # groups that would be discarded as stale.
+            while (engine.running + n <= room_for and
+                   engine.version >= b + (len(ready) + len(pool.groups)) // per_engine - k):
                 pool.submit(loader.next(1)[0])
             if not engine.busy:
                 rt.watchdog.check()
@@ -142,8 +152,8 @@ def run_continuous(rt: Runtime, engine, scorer, loader, weights, channels, timel
 def _score(rt: Runtime, scorer, done, meter: Meter, version: int) -> list[ScoredGroup]:
     """Score completed groups; with dynamic sampling drop those whose rewards are all equal
     (counted: ds_dropped_groups)."""
-    prompts = [p for p, _ in done]
-    scored, scores = score_groups(scorer, prompts, [c for _, c in done], 0, shaped=True)
+    prompts = [p for _, p, _ in done]
+    scored, scores = score_groups(scorer, prompts, [c for _, _, c in done], 0, shaped=True)
     meter.reward_errors += scores.errors
     meter.reward_timeouts += scores.timeouts
     g = rt.cfg.generator
@@ -151,7 +161,8 @@ def _score(rt: Runtime, scorer, done, meter: Meter, version: int) -> list[Scored
     # max_sampling_rounds batches' worth of dropped groups, they fill (as in batch mode)
     give_up = g.max_sampling_rounds * (g.prompts_per_step // rt.layout.engines)
     kept = []
-    for grp in scored:
+    for (gid, _, _), grp in zip(done, scored):
+        grp.index = gid  # the order of submission, until the group ships
         for c in grp.completions:
             s = Sample(finish="stop" if c.finish_reason == "stop" else "length")
             s.add_context(grp.prompt.token_ids)
@@ -166,10 +177,18 @@ def _score(rt: Runtime, scorer, done, meter: Meter, version: int) -> list[Scored
     return kept
 
 
-def _ship(rt: Runtime, ready: list[ScoredGroup], per_engine: int, b: int, meter: Meter,
-          loader, channels, weights, timeline, to_batch, data_bad_rows: int):
-    """Ship the first `per_engine` ready groups fresh enough for batch b. Returns (shipped,
-    the groups left); nothing is left when the trainer finished while the batch waited."""
+def _ship(rt: Runtime, ready: list[ScoredGroup], oldest_running: int, per_engine: int,
+          b: int, meter: Meter, loader, channels, weights, timeline, to_batch,
+          data_bad_rows: int):
+    """Ship batch b: the `per_engine` complete groups submitted first, once no group
+    submitted before them still runs. Returns (shipped, the groups left); nothing is left when
+    the trainer finished while the batch waited.
+
+    In order of submission, not of completion: shorter groups submitted later never overtake
+    a long one, which would push long responses towards staleness and out of the batches (a
+    length bias); a group is shipped in the batch its admission counted on, fresh by
+    construction (a group still older than b - k, possible after dynamic sampling drops, is
+    discarded and counted)."""
     k = rt.cfg.sync.max_staleness
     fresh = [grp for grp in ready
              if min(min((v for v in s.versions if v >= 0), default=b) for s in grp.samples)
@@ -177,6 +196,9 @@ def _ship(rt: Runtime, ready: list[ScoredGroup], per_engine: int, b: int, meter:
     meter.stale += len(ready) - len(fresh)
     if len(fresh) < per_engine:  # generate more first
         return False, fresh
+    fresh.sort(key=lambda grp: grp.index)
+    if sum(grp.index < oldest_running for grp in fresh) < per_engine:
+        return False, fresh  # an earlier group still runs: wait for it
     take, rest = fresh[:per_engine], fresh[per_engine:]
     for j, grp in enumerate(take):
         grp.index = j
