@@ -6,6 +6,7 @@ reward against trainer step and against wall-clock time: `async_quality.csv`,
 
     python bench/async_quality.py [--steps 250] [--seeds 0 1 2 3] [--correction none]
                                   [--lr 3e-4] [--ks 0 1 2] [--eval-samples 16] [key=value]
+                                  [--modes batch continuous]  # generator.mode of k >= 1
     python bench/async_quality.py --merge DIR [DIR ...] --out DIR   # runs made separately
 
 Runs of the same seed share the initial model and the prompt order, so the bench reports
@@ -47,12 +48,14 @@ CORRECTIONS = {"none": "PPO-clipped ratio to the behaviour policy", "tis": "trun
 
 
 def run(k: int, seed: int, correction: str, steps: int, eval_every: int,
-        extra: list[str]) -> dict:
+        extra: list[str], mode: str = "batch") -> dict:
     out = Path(tempfile.mkdtemp(prefix=f"llamarl-quality-k{k}-s{seed}-"))
     args = [RECIPE, f"run.steps={steps}", f"run.eval_every={eval_every}", f"run.seed={seed}",
             f"sync.max_staleness={k}", f"run.output_dir={out}", *extra]
     if k > 0:
         args.append(f"algorithm.correction={correction}")
+        if mode != "batch":
+            args.append(f"generator.mode={mode}")
     cmd = [sys.executable, "-m", "llamarl.launch", *args]
     with open(out / "log.txt", "w") as log:
         subprocess.run(cmd, cwd=ROOT, check=True, stdout=log, stderr=subprocess.STDOUT)
@@ -78,6 +81,8 @@ def series(r: dict) -> str:
     name = f"k={r['k']}"
     if r["k"] >= 2 and "sync.prefer_fresh=false" in r.get("settings", []):
         name += ", k ahead"
+    if "generator.mode=continuous" in r.get("settings", []):
+        name += ", continuous"
     return name
 
 
@@ -163,6 +168,8 @@ def main() -> None:
     ap.add_argument("--eval-samples", type=int, default=16,
                     help="data.eval_samples_per_prompt: 128 prompts x 16 samples per eval")
     ap.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2], help="max_staleness values")
+    ap.add_argument("--modes", nargs="+", default=["batch"], choices=["batch", "continuous"],
+                    help="generator.mode of the k >= 1 runs (k = 0 runs batch)")
     ap.add_argument("--merge", nargs="+", default=[], metavar="DIR",
                     help="run nothing: report the runs saved in these --out folders together")
     ap.add_argument("overrides", nargs="*", help="recipe overrides, key=value, anywhere")
@@ -181,8 +188,9 @@ def main() -> None:
     else:
         extra = [f"trainer.lr={args.lr}",
                  f"data.eval_samples_per_prompt={args.eval_samples}", *args.overrides]
-        results = [run(k, s, args.correction, args.steps, args.eval_every, extra)
-                   for s in args.seeds for k in args.ks]
+        results = [run(k, s, args.correction, args.steps, args.eval_every, extra, mode)
+                   for s in args.seeds for k in args.ks
+                   for mode in (args.modes if k > 0 else ["batch"])]
     with open(out / "async_quality.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["k", "seed", "step", "wall_s", "reward_mean",
                                           "reward_mean_greedy"])

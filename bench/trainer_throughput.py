@@ -207,7 +207,12 @@ def main() -> None:
 
 def compare(args) -> None:
     """The padded and the packed GRPO update, each in a fresh torchrun, side by side."""
-    passed = [a for a in sys.argv[1:] if a not in ("--compare",)]
+    passed, skip = [], False  # this run's arguments, but --compare and --nproc (torchrun's)
+    for a in sys.argv[1:]:
+        if skip or a == "--compare" or a.startswith("--nproc"):
+            skip = a == "--nproc"
+            continue
+        passed.append(a)
     out = {"args": vars(args), "device": "cpu"}
     for variant in ("padded", "packed"):
         proc = subprocess.run(
