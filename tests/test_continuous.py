@@ -35,8 +35,7 @@ def test_a_completion_sampled_by_two_versions_becomes_two_segments_of_one_turn()
 @pytest.mark.parametrize("overrides, message", [
     (["generator.mode=continuous"], "sync.max_staleness >= 1"),
     (CONTINUOUS + ["sync.deterministic=true"], "generator.mode=batch"),
-    (CONTINUOUS + ["rollout.source=multi_turn", "rollout.env=llamarl.envs.lookup:LookupEnv",
-                    "reward.functions=[]"], "single-turn"),
+    (CONTINUOUS + ["rollout.source=user_envs:NoSuchSource"], "built-in sources"),
     (CONTINUOUS + ["generator.in_flight_sequences=3"], "at least one prompt group"),
 ])
 def test_continuous_mode_config_errors(overrides, message):
@@ -81,6 +80,28 @@ def test_two_engines_generate_continuously(tmp_path, cache_dir):
         assert 0 <= r["spanning_share"] <= 1
         assert set(r["behaviour_version_by_engine"]) == {"0", "1"}
     assert rows[-1]["behaviour_version_by_engine"]["0"] >= 2
-    assert any(r["spanning_share"] > 0 for r in rows), rows  # sequences ran through loads
+    # (whether a sample here spans a load depends on timing: the engine-level test above
+    # makes it happen and checks the versions and logprobs)
     evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [0, 3, 6]
+
+
+@pytest.mark.slow
+def test_multi_turn_episodes_generate_continuously(tmp_path, cache_dir):
+    """recipes/tiny_tool_cpu.yaml in continuous mode: episodes with tool calls run across
+    weight loads (a turn may be sampled by two versions), batches carry the episode metrics."""
+    proc = torchrun(3, ["-m", "llamarl.launch", "recipes/tiny_tool_cpu.yaml", "run.steps=4",
+                        *CONTINUOUS, "algorithm.correction=aipo", "run.eval_every=2",
+                        "data.eval_prompts=16", f"run.output_dir={tmp_path}"],
+                    timeout=900, LLAMARL_CACHE=cache_dir)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    run, rows = metrics_of(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        assert r["staleness_max"] <= 2 and r["dropped_stale"] == 0
+        assert r["turns_per_episode"] >= 1 and 0 < r["engine_busy_share"] <= 1
+        assert sum(v for k, v in r.items() if k.startswith("episodes_")) == 32 * 8
+        assert 0 <= r["spanning_share"] <= 1 and r["in_flight_mean"] > 0
+    assert any(r["tool_calls_per_episode"] > 0 for r in rows)
+    evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 2, 4]

@@ -232,6 +232,15 @@ def split_groups(batch: RolloutBatch, parts: int) -> list[RolloutBatch]:
     return [batch.slice(bounds[k], bounds[k + 1]) for k in range(parts)]
 
 
+def episode_counts(batch: RolloutBatch) -> dict[str, float]:
+    """Multi-turn counts of a batch: response tokens (everything after the prompt), the
+    sampled ones among them, and the samples per finish reason (finish_<reason>)."""
+    counts = torch.bincount(batch.finish.long(), minlength=len(FINISH_REASONS)).tolist()
+    return {"response_tokens": float((batch.seq_lens - batch.prompt_lens).sum()),
+            "sampled_tokens": float(batch.loss_mask.sum()),
+            **{f"finish_{name}": float(c) for name, c in zip(FINISH_REASONS, counts)}}
+
+
 def segment_ids(lens: torch.Tensor, total: int) -> torch.Tensor:
     """[total]: for each token of samples of lengths `lens` laid end to end, its sample."""
     return torch.repeat_interleave(torch.arange(len(lens)), lens.long(), output_size=total)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 
-from llamarl.buffer.record import Sample, split_groups
+from llamarl.buffer.record import Sample, episode_counts, split_groups
 from llamarl.generator.engine import Completion, sampler_seed
 from llamarl.launch.runtime import Runtime
 from llamarl.rewards.dynamic_sampling import is_informative
@@ -37,13 +37,26 @@ _IDLE_S = 0.002  # sleep while nothing runs and the trainer has no room
 
 
 class GroupPool:
-    """Prompt groups running on the engine: G requests each, complete when all G are."""
+    """Single-turn prompt groups running on the engine: G requests each, complete when all G
+    are; step() scores what completed (reward.*) and returns ScoredGroups whose index is
+    their number in order of submission."""
 
-    def __init__(self, engine, n: int, temperature: float, max_tokens: int):
-        self.engine, self.n = engine, n
+    def __init__(self, engine, scorer, n: int, temperature: float, max_tokens: int):
+        self.engine, self.scorer, self.n = engine, scorer, n
         self.temperature, self.max_tokens = temperature, max_tokens
         self.groups: dict[int, tuple[object, list[Completion | None]]] = {}
         self.submitted = 0  # groups submitted so far; the next one's number
+        self.reward_errors = self.reward_timeouts = 0
+        self.reward_s = 0.0
+        self.metrics: dict[str, float] = {}  # none beyond Meter's
+
+    @property
+    def running(self) -> int:  # sequences that hold a place in the engine
+        return self.engine.running
+
+    @property
+    def busy(self) -> bool:
+        return self.engine.busy
 
     def submit(self, prompt) -> None:
         gid, self.submitted = self.submitted, self.submitted + 1
@@ -52,9 +65,7 @@ class GroupPool:
             self.engine.submit(f"{gid}/{i}", prompt.token_ids, self.temperature,
                                self.max_tokens)
 
-    def step(self) -> list[tuple[int, object, list[Completion]]]:
-        """One engine step; the groups it completed, as (group number in order of
-        submission, prompt, G completions)."""
+    def step(self) -> list[ScoredGroup]:
         done = []
         for request_id, c in self.engine.step():
             gid, i = map(int, request_id.split("/"))
@@ -63,23 +74,78 @@ class GroupPool:
             if all(x is not None for x in completions):
                 del self.groups[gid]
                 done.append((gid, prompt, completions))
-        return done
+        if not done:
+            return []
+        t0 = time.perf_counter()
+        scored, scores = score_groups(self.scorer, [p for _, p, _ in done],
+                                      [c for _, _, c in done], 0, shaped=True)
+        self.reward_errors += scores.errors
+        self.reward_timeouts += scores.timeouts
+        for (gid, _, _), grp in zip(done, scored):
+            grp.index = gid
+            for c in grp.completions:
+                s = Sample(finish="stop" if c.finish_reason == "stop" else "length")
+                s.add_context(grp.prompt.token_ids)
+                s.add_completion(c, self.engine.version)
+                grp.samples.append(s)
+        self.reward_s += time.perf_counter() - t0
+        return scored
+
+
+class EpisodePool:
+    """Multi-turn prompt groups (rollout/multi_turn.py's EpisodeRunner): G episodes each,
+    complete when all G have their reward; episodes waiting for a tool hold a place too."""
+
+    def __init__(self, engine, source, n: int, temperature: float):
+        from llamarl.rollout.multi_turn import EpisodeRunner
+
+        self.engine, self.n = engine, n
+        self.runner = EpisodeRunner(source, temperature, spans=True)
+        self.submitted = 0
+        self.reward_errors = self.reward_timeouts = 0  # the environment rewards: none
+        self.reward_s = 0.0
+
+    @property
+    def groups(self) -> dict:
+        return self.runner.groups
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        return self.runner.metrics
+
+    @property
+    def running(self) -> int:
+        return self.runner.live
+
+    @property
+    def busy(self) -> bool:
+        return self.runner.live > 0
+
+    def submit(self, prompt) -> None:
+        self.runner.add(self.submitted, prompt, self.n)
+        self.submitted += 1
+
+    def step(self) -> list[ScoredGroup]:
+        return self.runner.step(self.engine.version)
 
 
 class Meter:
     """What the engine did since the last batch shipped (the batch's rollout metrics)."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, engine, pool):
+        self.engine, self.pool = engine, pool
         self.reset()
 
     def reset(self) -> None:
         self.t0 = time.perf_counter()
-        self.busy_s = self.generate_s = self.reward_s = 0.0
+        self.busy_s = 0.0
         self.steps = self.running_sum = 0
         self.stale = self.uninformative = self.filled = 0
-        self.reward_errors = self.reward_timeouts = 0
         self.recomputed0 = self.engine.recomputed_tokens
+        self.reward_s0, self.errors0 = self.pool.reward_s, self.pool.reward_errors
+        self.timeouts0 = self.pool.reward_timeouts
+        for key in self.pool.metrics:  # multi-turn episode counts
+            self.pool.metrics[key] = 0.0
 
     def metrics(self, groups: list[ScoredGroup]) -> dict:
         samples = [s for g in groups for s in g.samples]
@@ -96,16 +162,19 @@ class Meter:
                 "recomputed_tokens": float(self.engine.recomputed_tokens - self.recomputed0)}
 
 
-def run_continuous(rt: Runtime, engine, scorer, loader, weights, channels, timeline,
+def run_continuous(rt: Runtime, engine, scorer, source, loader, weights, channels, timeline,
                    b: int, to_batch, data_bad_rows: int) -> None:
     """Engine e's continuous loop from batch `b` until the trainer's final version is loaded.
-    `to_batch(groups, engine, step, stride)` builds a RolloutBatch (generator/loop.py)."""
+    `source`: the multi-turn source (its environment workers), or None for single-turn
+    sampling scored by `scorer`. `to_batch(groups, engine, step, stride)` builds a
+    RolloutBatch (generator/loop.py)."""
     cfg, g, e = rt.cfg, rt.cfg.generator, rt.role.index
     k, n = cfg.sync.max_staleness, g.samples_per_prompt
     per_engine = g.prompts_per_step // rt.layout.engines
     room_for = g.in_flight_sequences or per_engine * n
-    pool = GroupPool(engine, n, g.temperature, g.max_new_tokens)
-    meter = Meter(engine)
+    pool = (EpisodePool(engine, source, n, g.temperature) if source is not None
+            else GroupPool(engine, scorer, n, g.temperature, g.max_new_tokens))
+    meter = Meter(engine, pool)
     ready: list[ScoredGroup] = []
     engine.version = weights.version
     engine.begin(sampler_seed(cfg.run.seed, "continuous", b, e))
@@ -117,9 +186,8 @@ def run_continuous(rt: Runtime, engine, scorer, loader, weights, channels, timel
                 continue
             if len(ready) >= per_engine and all(ch.unconsumed() < ch.capacity
                                                 for ch in channels):
-                shipped, ready = _ship(rt, ready, min(pool.groups, default=pool.submitted),
-                                       per_engine, b, meter, loader, channels, weights,
-                                       timeline, to_batch, data_bad_rows)
+                shipped, ready = _ship(rt, ready, pool, per_engine, b, meter, loader,
+                                       channels, weights, timeline, to_batch, data_bad_rows)
                 b += shipped
                 if shipped:
                     continue
@@ -128,47 +196,37 @@ def run_continuous(rt: Runtime, engine, scorer, loader, weights, channels, timel
             # oldest token may be no older than that batch - k. Ahead of that (the trainer is
             # the bottleneck) the engine finishes what runs and waits, rather than sampling
             # groups that would be discarded as stale.
-            while (engine.running + n <= room_for and
+            while (pool.running + n <= room_for and
                    engine.version >= b + (len(ready) + len(pool.groups)) // per_engine - k):
                 pool.submit(loader.next(1)[0])
-            if not engine.busy:
+            if not pool.busy:
                 rt.watchdog.check()
                 time.sleep(_IDLE_S)
                 continue
-            t0 = time.perf_counter()
-            running = engine.running
+            t0, reward0 = time.perf_counter(), pool.reward_s
+            running, stepped = engine.running, engine.busy
             done = pool.step()
-            t1 = time.perf_counter()
-            meter.busy_s += t1 - t0
-            meter.steps += 1
-            meter.running_sum += running
-            if done:
-                ready += _score(rt, scorer, done, meter, engine.version)
-                meter.reward_s += time.perf_counter() - t1
+            if stepped:  # (a multi-turn pool may only have polled its environment)
+                meter.busy_s += time.perf_counter() - t0 - (pool.reward_s - reward0)
+                meter.steps += 1
+                meter.running_sum += running
+            ready += _keep(rt, done, meter)
     finally:
         engine.abort_all()
 
 
-def _score(rt: Runtime, scorer, done, meter: Meter, version: int) -> list[ScoredGroup]:
-    """Score completed groups; with dynamic sampling drop those whose rewards are all equal
+def _keep(rt: Runtime, done: list[ScoredGroup], meter: Meter) -> list[ScoredGroup]:
+    """Completed groups to keep: with dynamic sampling not those whose rewards are all equal
     (counted: ds_dropped_groups)."""
-    prompts = [p for _, p, _ in done]
-    scored, scores = score_groups(scorer, prompts, [c for _, _, c in done], 0, shaped=True)
-    meter.reward_errors += scores.errors
-    meter.reward_timeouts += scores.timeouts
     g = rt.cfg.generator
+    if not g.dynamic_sampling:
+        return done
     # a policy whose every group is uninformative must not loop forever: after
     # max_sampling_rounds batches' worth of dropped groups, they fill (as in batch mode)
     give_up = g.max_sampling_rounds * (g.prompts_per_step // rt.layout.engines)
     kept = []
-    for (gid, _, _), grp in zip(done, scored):
-        grp.index = gid  # the order of submission, until the group ships
-        for c in grp.completions:
-            s = Sample(finish="stop" if c.finish_reason == "stop" else "length")
-            s.add_context(grp.prompt.token_ids)
-            s.add_completion(c, version)
-            grp.samples.append(s)
-        if g.dynamic_sampling and not is_informative(grp.rewards):
+    for grp in done:
+        if not is_informative(grp.rewards):
             if meter.uninformative < give_up:
                 meter.uninformative += 1
                 continue
@@ -177,9 +235,8 @@ def _score(rt: Runtime, scorer, done, meter: Meter, version: int) -> list[Scored
     return kept
 
 
-def _ship(rt: Runtime, ready: list[ScoredGroup], oldest_running: int, per_engine: int,
-          b: int, meter: Meter, loader, channels, weights, timeline, to_batch,
-          data_bad_rows: int):
+def _ship(rt: Runtime, ready: list[ScoredGroup], pool, per_engine: int, b: int,
+          meter: Meter, loader, channels, weights, timeline, to_batch, data_bad_rows: int):
     """Ship batch b: the `per_engine` complete groups submitted first, once no group
     submitted before them still runs. Returns (shipped, the groups left); nothing is left when
     the trainer finished while the batch waited.
@@ -197,6 +254,7 @@ def _ship(rt: Runtime, ready: list[ScoredGroup], oldest_running: int, per_engine
     if len(fresh) < per_engine:  # generate more first
         return False, fresh
     fresh.sort(key=lambda grp: grp.index)
+    oldest_running = min(pool.groups, default=pool.submitted)
     if sum(grp.index < oldest_running for grp in fresh) < per_engine:
         return False, fresh  # an earlier group still runs: wait for it
     take, rest = fresh[:per_engine], fresh[per_engine:]
@@ -204,11 +262,17 @@ def _ship(rt: Runtime, ready: list[ScoredGroup], oldest_running: int, per_engine
         grp.index = j
     batch = to_batch(take, rt.role.index, b, per_engine)
     rollout = meter.metrics(take)
+    if pool.metrics:  # multi-turn: tool and environment counts since the last batch; the
+        # episodes and turns are the batch's own
+        rollout.update(pool.metrics, collect_s=rollout["wall_s"], **episode_counts(batch),
+                       episodes=float(len(batch)), turns=float(batch.turns.sum()),
+                       engine_busy_s=rollout["engine_busy_s"])
     rewards = {name: sum(sum(grp.components[name]) for grp in take) / len(batch)
                for name in take[0].components}
     batch.info.update(
-        step=b, generate_s=rollout["wall_s"], reward_s=meter.reward_s,
-        reward_errors=meter.reward_errors, reward_timeouts=meter.reward_timeouts,
+        step=b, generate_s=rollout["wall_s"], reward_s=pool.reward_s - meter.reward_s0,
+        reward_errors=pool.reward_errors - meter.errors0,
+        reward_timeouts=pool.reward_timeouts - meter.timeouts0,
         rollout=rollout, tokens=int(batch.loss_mask.sum()), reward_components=rewards,
         ds_rounds=1, ds_dropped_groups=meter.uninformative, ds_filled_groups=meter.filled,
         engine=rt.role.index, data_state=loader.state_dict(), data_epoch=loader.epoch,

@@ -156,6 +156,7 @@ class Engine:
         self.cfg = cfg
         self.version = 0  # the policy version of the loaded weights (set by the caller)
         self._requests: dict[str, _Request] = {}  # submitted and not finished, by id
+        self._paused: list[str] = []  # ids of requests paused (see pause)
         self.recomputed_tokens = 0  # prompt + generated tokens re-prefilled after loads
         try:
             self.llm = LLM(
@@ -230,7 +231,7 @@ class Engine:
         """
         from vllm import SamplingParams, TokensPrompt
 
-        paused = self._pause()  # requests in flight (continuous mode): continue them after
+        paused = self.pause()  # requests in flight (continuous mode): continue them after
         self.begin(seed)
         params = SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0,
                                 max_tokens=max_tokens, logprobs=0)
@@ -242,7 +243,7 @@ class Engine:
                                f"samples of up to {max_tokens} tokens: {self._meaning(e)} "
                                f"({_first_line(e)})") from e
         if paused:
-            self._resume()
+            self.resume()
         return [[_completion(c) for c in out.outputs] for out in outputs]
 
     def begin(self, seed: int) -> None:
@@ -319,8 +320,9 @@ class Engine:
 
     def abort_all(self) -> None:
         """Drop every submitted request (the run is over; nothing will read them)."""
-        self._pause()
+        self.pause()
         self._requests.clear()
+        self._paused = []
 
     def swap_weights(self, load: Callable[[], object], version: int) -> None:
         """Run `load()` (it replaces the model's weights) between two engine steps, and make
@@ -338,11 +340,11 @@ class Engine:
             state = states.get(req.vllm_id)
             if state is not None:
                 req.mark(len(state.detokenizer.output_token_ids), self.version)
-        paused = self._pause(states) if self.cfg.in_flight_kv == "recompute" else False
+        paused = self.pause(states) if self.cfg.in_flight_kv == "recompute" else False
         load()
         self.version = version
         if paused:
-            self._resume()
+            self.resume()
 
     def _running_states(self) -> dict:
         """vLLM's output-processor state of every running request, by our request id (the
@@ -352,10 +354,11 @@ class Engine:
         states = self.llm.llm_engine.output_processor.request_states.values()
         return {getattr(st, "external_req_id", None) or st.request_id: st for st in states}
 
-    def _pause(self, states: dict | None = None) -> bool:
-        """Abort the vLLM requests of every running sample, keeping its tokens so far; True if
-        there were any."""
-        if not self._requests:
+    def pause(self, states: dict | None = None) -> bool:
+        """Abort the vLLM requests of every running sample, keeping its tokens so far, until
+        resume() (a weight load, an evaluation: other calls may use the engine meanwhile).
+        True if this call paused something (False when nothing runs or already paused)."""
+        if self._paused or not self._requests:
             return False
         states = self._running_states() if states is None else states
         for req in self._requests.values():
@@ -369,14 +372,17 @@ class Engine:
             req.logprobs += [lps[i][tok].logprob for i, tok in enumerate(ids)]
             req.marked = 0
         self.llm.llm_engine.abort_request([r.vllm_id for r in self._requests.values()])
+        self._paused = list(self._requests)
         return True
 
-    def _resume(self) -> None:
+    def resume(self) -> None:
         """Resubmit every paused sample, from an empty prefix cache, as a continuation."""
+        paused, self._paused = self._paused, []
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after pausing every "
                                "request: a continuation would reuse KV of the old weights")
-        for request_id, req in self._requests.items():
+        for request_id in paused:
+            req = self._requests[request_id]
             req.restarts += 1
             self.recomputed_tokens += len(req.prompt_ids) + len(req.token_ids)
             self._add(request_id, req)

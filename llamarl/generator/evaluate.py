@@ -27,10 +27,16 @@ class Evaluator:
         n = rt.cfg.data.eval_samples_per_prompt
         start = time.time()
         e, seed = rt.role.index, rt.cfg.run.seed
-        sampled = self.source.collect(self.prompts, n, g.temperature,
-                                      sampler_seed(seed, "eval", step, e), version)
-        greedy = self.source.collect(self.prompts, 1, 0.0,
-                                     sampler_seed(seed, "greedy", step, e), version)
+        # continuous mode: the running samples wait (paused) and continue after
+        paused = self.source.ctx.engine.pause()
+        try:
+            sampled = self.source.collect(self.prompts, n, g.temperature,
+                                          sampler_seed(seed, "eval", step, e), version)
+            greedy = self.source.collect(self.prompts, 1, 0.0,
+                                         sampler_seed(seed, "greedy", step, e), version)
+        finally:
+            if paused:
+                self.source.ctx.engine.resume()
         if self.timeline is not None:
             self.timeline.record("eval", start, time.time(), step)
         s = sum(r for grp in sampled.groups for r in grp.rewards)

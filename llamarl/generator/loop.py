@@ -33,10 +33,8 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from llamarl.buffer.channel import open_channel
-from llamarl.buffer.record import FINISH_REASONS, RolloutBatch, split_groups
+from llamarl.buffer.record import RolloutBatch, episode_counts, split_groups
 from llamarl.data.dataset import PromptData, load_prompt_data
 from llamarl.data.loader import PromptLoader, shard
 from llamarl.data.prompts import PromptFormatter
@@ -172,8 +170,19 @@ def run_generator(rt: Runtime) -> None:
 
     try:
         if g.mode == "continuous":  # generator/continuous.py: the engine never drains
-            run_continuous(rt, engine, scorer, loader, weights, channels, timeline, b,
-                           _to_batch, data.bad_row_count)
+            # multi-turn: episodes get environment workers of their own, apart from the
+            # evaluation's (it runs while they are paused and must not read their results)
+            episodes = (build_source(SourceContext(cfg, engine, engine.tokenizer, fmt, scorer, e,
+                                                   timeline))
+                        if cfg.rollout.source == "multi_turn" else None)
+            if episodes is not None:
+                rt.watchdog.cleanups.append(episodes.close)
+            try:
+                run_continuous(rt, engine, scorer, episodes, loader, weights, channels,
+                               timeline, b, _to_batch, data.bad_row_count)
+            finally:
+                if episodes is not None:
+                    episodes.close()
         while g.mode == "batch" and weights.follow(
                 need=b - k, queued=queued, exact=cfg.sync.deterministic,
                 prefer=fresh_version(b, k, cfg.sync.every) if prefer_fresh else None):
@@ -225,10 +234,7 @@ def sample_batch(rt: Runtime, source: RolloutSource, draw, version: int,
     n = len(batch)
     names = groups[0].components.keys()
     if "episodes" in metrics:  # multi-turn: observation and glue tokens after the prompt
-        metrics["response_tokens"] = float((batch.seq_lens - batch.prompt_lens).sum())
-        metrics["sampled_tokens"] = float(batch.loss_mask.sum())
-        counts = torch.bincount(batch.finish.long(), minlength=len(FINISH_REASONS)).tolist()
-        metrics.update({f"finish_{name}": float(c) for name, c in zip(FINISH_REASONS, counts)})
+        metrics.update(episode_counts(batch))
     info = {"step": step, "generate_s": metrics.pop("generate_s", 0.0),
             "reward_s": metrics.pop("reward_s", 0.0),
             "reward_errors": int(metrics.pop("reward_errors", 0)),

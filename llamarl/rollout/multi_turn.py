@@ -112,106 +112,152 @@ class MultiTurnSource(RolloutSource):
 
     def collect(self, prompts, n, temperature, seed, version, step=None,
                 first=0) -> Collected:
-        ctx, ro = self.ctx, self.ctx.cfg.rollout
-        engine, pool = ctx.engine, self.pool
         t_start = time.perf_counter()
-        base, self._episode_base = self._episode_base, self._episode_base + len(prompts) * n
-        episodes = {base + j * n + i: _Episode(j) for j in range(len(prompts)) for i in range(n)}
-        calls: dict[int, str] = {}  # call id -> method
-        m = {k: 0.0 for k in ("episodes", "turns", "tool_calls", "tool_errors", "malformed",
-                              "env_errors", "env_timeouts", "env_s", "engine_busy_s")}
-        m["episodes"] = float(len(episodes))
-        live = len(episodes)
-        engine.begin(seed)
-        for eid, ep in episodes.items():
-            calls[pool.call(eid, "open", episode_row(prompts[ep.group]))] = "open"
-
-        def end(eid: int, finish: str) -> None:
-            ep = episodes[eid]
-            ep.sample.finish = finish
-            calls[pool.call(eid, "reward", ep.last_text)] = "reward"
-
-        def submit(eid: int) -> None:
-            ep = episodes[eid]
-            room = self.max_tokens - len(ep.sample.token_ids)
-            if room <= 0:
-                return end(eid, "context")
-            # a copy: the record's list grows after the turn, the engine keeps what it was given
-            engine.submit(f"{eid}:{ep.sample.turns}", list(ep.sample.token_ids), temperature,
-                          min(ctx.cfg.generator.max_new_tokens, room))
-
-        def failed(eid: int, method: str, outcome) -> None:
-            kind, what = outcome
-            m["env_timeouts" if kind == "timeout" else "env_errors"] += 1
-            if ro.on_error == "stop":
-                what = (f"timed out after {ro.timeout_s:g} s (rollout.timeout_s)"
-                        if kind == "timeout" else what)
-                raise RuntimeError(f"rollout.env {ro.env!r}: {method} {what}; set "
-                                   "rollout.on_error=zero to end such episodes with reward 0 "
-                                   "and go on")
-            ep = episodes[eid]
-            ep.sample.finish, ep.reward = "env_error", 0.0
-            if not ep.sample.token_ids:  # it never started: its prompt, with nothing to train
-                ep.sample.add_context(prompts[ep.group].token_ids)
-
-        while live:
-            if engine.busy:
-                t0 = time.perf_counter()
-                finished = engine.step()
-                m["engine_busy_s"] += time.perf_counter() - t0
-                for rid, c in finished:
-                    eid = int(rid.split(":")[0])
-                    ep = episodes[eid]
-                    ep.sample.add_sampled(c.token_ids, c.logprobs, version)
-                    ep.last_text = c.text
-                    m["turns"] += 1
-                    if c.finish_reason != "stop":  # the turn hit its token limit
-                        full = len(ep.sample.token_ids) >= self.max_tokens
-                        end(eid, "context" if full else "length")
-                    else:
-                        calls[pool.call(eid, "turn", c.text)] = "turn"
-            t0 = time.perf_counter()
-            results = pool.poll(0.0 if engine.busy else _IDLE_WAIT_S)
-            if not engine.busy:
-                m["env_s"] += time.perf_counter() - t0
-            for call_id, eid, outcome in results:
-                method = calls.pop(call_id)
-                ep = episodes[eid]
-                if ep.reward is not None:
-                    continue  # the episode already ended (an error)
-                if outcome[0] != "ok":
-                    failed(eid, method, outcome)
-                    live -= 1
-                    continue
-                value = outcome[1]
-                if method == "open":
-                    ep.sample.add_context(self.encoder.prompt_ids(value))
-                    submit(eid)
-                elif method == "turn":
-                    observation, counts = value
-                    for k, v in counts.items():
-                        m[k] += v
-                    if observation is None:
-                        end(eid, "stop")
-                    elif ep.sample.turns >= ro.max_turns:
-                        end(eid, "max_turns")
-                    else:
-                        ended_eos = bool(ep.sample.token_ids) and \
-                            ep.sample.token_ids[-1] == self.eos
-                        obs = self.encoder.observation_ids(observation, ended_eos)
-                        if len(ep.sample.token_ids) + len(obs) >= self.max_tokens:
-                            end(eid, "context")  # no room for the observation and a turn
-                        else:
-                            ep.sample.add_context(obs)
-                            submit(eid)
-                else:  # reward: the episode is complete
-                    ep.reward = float(value)
-                    live -= 1
+        runner = EpisodeRunner(self, temperature)
+        self.ctx.engine.begin(seed)
+        for j, prompt in enumerate(prompts):
+            runner.add(first + j, prompt, n)
+        done = {}
+        while runner.groups:
+            done.update((grp.index, grp) for grp in runner.step(version))
+        m = runner.metrics
         m["collect_s"] = time.perf_counter() - t_start
         m["generate_s"] = m["collect_s"]  # the step's "generate" phase: episodes, tools included
-        groups = []
-        for j, prompt in enumerate(prompts):
-            eps = [episodes[base + j * n + i] for i in range(n)]
-            groups.append(ScoredGroup(prompt, [], [e.reward for e in eps], {}, first + j,
-                                      [e.sample for e in eps]))
-        return Collected(groups, m)
+        return Collected([done[first + j] for j in range(len(prompts))], m)
+
+
+class EpisodeRunner:
+    """Episodes in flight on the engine and in the environment workers. add() opens a prompt
+    group's n episodes; step() steps the engine once (when it has work), handles what the
+    environment returned, and returns the groups whose episodes have all ended, as
+    ScoredGroups (index = the key they were added with). A batch call (MultiTurnSource.collect)
+    adds its groups and steps until none is left; continuous generation
+    (generator/continuous.py) keeps adding as groups end. `spans`: record per turn the
+    versions that sampled its tokens (weights may load mid-turn), else the version given to
+    step()."""
+
+    _METRICS = ("episodes", "turns", "tool_calls", "tool_errors", "malformed", "env_errors",
+                "env_timeouts", "env_s", "engine_busy_s")
+
+    def __init__(self, source: MultiTurnSource, temperature: float, spans: bool = False):
+        self.source, self.temperature, self.spans = source, temperature, spans
+        self.episodes: dict[int, _Episode] = {}
+        self.groups: dict[int, tuple[object, list[int]]] = {}  # key -> (prompt, episode ids)
+        self.calls: dict[int, str] = {}  # call id -> method
+        self.live = 0  # episodes not ended
+        self.metrics = dict.fromkeys(self._METRICS, 0.0)
+
+    def add(self, key: int, prompt, n: int) -> None:
+        src = self.source
+        base, src._episode_base = src._episode_base, src._episode_base + n
+        eids = list(range(base, base + n))
+        self.groups[key] = (prompt, eids)
+        for eid in eids:  # episode ids stay unique across calls (worker-side state)
+            self.episodes[eid] = _Episode(key)
+            self.calls[src.pool.call(eid, "open", episode_row(prompt))] = "open"
+        self.live += n
+        self.metrics["episodes"] += n
+
+    def _end(self, eid: int, finish: str) -> None:
+        ep = self.episodes[eid]
+        ep.sample.finish = finish
+        self.calls[self.source.pool.call(eid, "reward", ep.last_text)] = "reward"
+
+    def _submit(self, eid: int) -> None:
+        src, ep = self.source, self.episodes[eid]
+        room = src.max_tokens - len(ep.sample.token_ids)
+        if room <= 0:
+            return self._end(eid, "context")
+        # a copy: the record's list grows after the turn, the engine keeps what it was given
+        src.ctx.engine.submit(f"{eid}:{ep.sample.turns}", list(ep.sample.token_ids),
+                              self.temperature,
+                              min(src.ctx.cfg.generator.max_new_tokens, room))
+
+    def _failed(self, eid: int, method: str, outcome) -> None:
+        ro, m = self.source.ctx.cfg.rollout, self.metrics
+        kind, what = outcome
+        m["env_timeouts" if kind == "timeout" else "env_errors"] += 1
+        if ro.on_error == "stop":
+            what = (f"timed out after {ro.timeout_s:g} s (rollout.timeout_s)"
+                    if kind == "timeout" else what)
+            raise RuntimeError(f"rollout.env {ro.env!r}: {method} {what}; set "
+                               "rollout.on_error=zero to end such episodes with reward 0 "
+                               "and go on")
+        ep = self.episodes[eid]
+        ep.sample.finish, ep.reward = "env_error", 0.0
+        if not ep.sample.token_ids:  # it never started: its prompt, with nothing to train
+            ep.sample.add_context(self.groups[ep.group][0].token_ids)
+
+    def step(self, version: int) -> list[ScoredGroup]:
+        src, m = self.source, self.metrics
+        engine, pool, ro = src.ctx.engine, src.pool, src.ctx.cfg.rollout
+        if engine.busy:
+            t0 = time.perf_counter()
+            finished = engine.step()
+            m["engine_busy_s"] += time.perf_counter() - t0
+            for rid, c in finished:
+                eid = int(rid.split(":")[0])
+                ep = self.episodes[eid]
+                if self.spans:
+                    ep.sample.add_completion(c, version)
+                else:
+                    ep.sample.add_sampled(c.token_ids, c.logprobs, version)
+                ep.last_text = c.text
+                m["turns"] += 1
+                if c.finish_reason != "stop":  # the turn hit its token limit
+                    full = len(ep.sample.token_ids) >= src.max_tokens
+                    self._end(eid, "context" if full else "length")
+                else:
+                    self.calls[pool.call(eid, "turn", c.text)] = "turn"
+        t0 = time.perf_counter()
+        results = pool.poll(0.0 if engine.busy else _IDLE_WAIT_S)
+        if not engine.busy:
+            m["env_s"] += time.perf_counter() - t0
+        ended = set()
+        for call_id, eid, outcome in results:
+            method = self.calls.pop(call_id)
+            ep = self.episodes.get(eid)
+            if ep is None or ep.reward is not None:
+                continue  # the episode already ended (an error)
+            if outcome[0] != "ok":
+                self._failed(eid, method, outcome)
+                self.live -= 1
+                ended.add(ep.group)
+                continue
+            value = outcome[1]
+            if method == "open":
+                ep.sample.add_context(src.encoder.prompt_ids(value))
+                self._submit(eid)
+            elif method == "turn":
+                observation, counts = value
+                for k, v in counts.items():
+                    m[k] += v
+                if observation is None:
+                    self._end(eid, "stop")
+                elif ep.sample.turns >= ro.max_turns:
+                    self._end(eid, "max_turns")
+                else:
+                    ended_eos = bool(ep.sample.token_ids) and \
+                        ep.sample.token_ids[-1] == src.eos
+                    obs = src.encoder.observation_ids(observation, ended_eos)
+                    if len(ep.sample.token_ids) + len(obs) >= src.max_tokens:
+                        self._end(eid, "context")  # no room for the observation and a turn
+                    else:
+                        ep.sample.add_context(obs)
+                        self._submit(eid)
+            else:  # reward: the episode is complete
+                ep.reward = float(value)
+                self.live -= 1
+                ended.add(ep.group)
+        done = []
+        for key in sorted(ended):
+            prompt, eids = self.groups[key]
+            eps = [self.episodes[e] for e in eids]
+            if any(e.reward is None for e in eps):
+                continue
+            del self.groups[key]
+            for e in eids:
+                del self.episodes[e]
+            done.append(ScoredGroup(prompt, [], [e.reward for e in eps], {}, key,
+                                    [e.sample for e in eps]))
+        return done

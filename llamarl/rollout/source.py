@@ -79,7 +79,7 @@ def rollout_metrics(infos: list[dict]) -> dict:
     the rollout batches' info (one per engine); {} for single-turn batch generation."""
     out = _continuous_metrics([i["rollout"] for i in infos
                                if i.get("rollout", {}).get("continuous")])
-    parts = [i["rollout"] for i in infos if i.get("rollout", {}).get("episodes")]
+    parts = [i["rollout"] for i in infos if "episodes" in i.get("rollout", {})]
     if not parts:
         return out
     return {**out, **_episode_metrics(parts)}
