@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import time
 
-from llamarl.buffer.record import Sample, episode_counts, split_groups
+from llamarl.buffer.record import episode_counts, split_groups
 from llamarl.generator.engine import Completion, sampler_seed
 from llamarl.launch.runtime import Runtime
 from llamarl.rewards.dynamic_sampling import is_informative
 from llamarl.rewards.scorer import ScoredGroup, score_groups
+from llamarl.rollout.single_turn import completion_sample
 
 _IDLE_S = 0.002  # sleep while nothing runs and the trainer has no room
 
@@ -83,11 +84,8 @@ class GroupPool:
         self.reward_timeouts += scores.timeouts
         for (gid, _, _), grp in zip(done, scored):
             grp.index = gid
-            for c in grp.completions:
-                s = Sample(finish="stop" if c.finish_reason == "stop" else "length")
-                s.add_context(grp.prompt.token_ids)
-                s.add_completion(c, self.engine.version)
-                grp.samples.append(s)
+            grp.samples += [completion_sample(grp.prompt.token_ids, c, self.engine.version)
+                            for c in grp.completions]
         self.reward_s += time.perf_counter() - t0
         return scored
 
@@ -180,7 +178,9 @@ def run_continuous(rt: Runtime, engine, scorer, source, loader, weights, channel
     engine.begin(sampler_seed(cfg.run.seed, "continuous", b, e))
     try:
         while weights.follow(need=b - k):
-            if weights.trainer_done():  # only its final weights are left to load
+            # only the trainer's final weights are left to load (follow() has just asked the
+            # store and keeps the answer: no second round trip per engine step)
+            if weights.final is not None:
                 engine.abort_all()
                 time.sleep(_IDLE_S)
                 continue

@@ -335,12 +335,15 @@ class Engine:
         new policy would (the trainer recomputes the same logprobs); `keep` (PipelineRL)
         loads under them, so later tokens attend to keys and values computed by older
         weights (cheaper; the mismatch is measured in docs/generator.md)."""
-        states = self._running_states()
-        for req in self._requests.values():  # tokens so far: sampled by the old version
-            state = states.get(req.vllm_id)
-            if state is not None:
-                req.mark(len(state.detokenizer.output_token_ids), self.version)
-        paused = self.pause(states) if self.cfg.in_flight_kv == "recompute" else False
+        paused = False
+        if self.cfg.in_flight_kv == "recompute":
+            paused = self.pause()  # marks the tokens so far as the old version's
+        else:
+            states = self._running_states()
+            for req in self._requests.values():  # tokens so far: sampled by the old version
+                state = states.get(req.vllm_id)
+                if state is not None:
+                    req.mark(len(state.detokenizer.output_token_ids), self.version)
         load()
         self.version = version
         if paused:
@@ -354,13 +357,13 @@ class Engine:
         states = self.llm.llm_engine.output_processor.request_states.values()
         return {getattr(st, "external_req_id", None) or st.request_id: st for st in states}
 
-    def pause(self, states: dict | None = None) -> bool:
+    def pause(self) -> bool:
         """Abort the vLLM requests of every running sample, keeping its tokens so far, until
         resume() (a weight load, an evaluation: other calls may use the engine meanwhile).
         True if this call paused something (False when nothing runs or already paused)."""
         if self._paused or not self._requests:
             return False
-        states = self._running_states() if states is None else states
+        states = self._running_states()
         for req in self._requests.values():
             state = states.get(req.vllm_id)
             if state is None:  # not started yet: it restarts from its prompt

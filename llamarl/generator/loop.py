@@ -140,8 +140,8 @@ def run_generator(rt: Runtime) -> None:
         log(rt, "the reward model scores on the trainer ranks (reward.model_placement="
                 "trainer): eval.jsonl holds the reward functions' held-out reward only")
     timeline = Timeline(rt.run_dir, rt.role.rank, rt.role.name)
-    source = build_source(SourceContext(cfg, engine, engine.tokenizer, fmt, scorer, e,
-                                        timeline))
+    source_ctx = SourceContext(cfg, engine, engine.tokenizer, fmt, scorer, e, timeline)
+    source = build_source(source_ctx)
     rt.watchdog.cleanups.append(source.close)
     evaluator = Evaluator(rt, source, held_out)
     per_engine = g.prompts_per_step // rt.layout.engines
@@ -172,9 +172,7 @@ def run_generator(rt: Runtime) -> None:
         if g.mode == "continuous":  # generator/continuous.py: the engine never drains
             # multi-turn: episodes get environment workers of their own, apart from the
             # evaluation's (it runs while they are paused and must not read their results)
-            episodes = (build_source(SourceContext(cfg, engine, engine.tokenizer, fmt, scorer, e,
-                                                   timeline))
-                        if cfg.rollout.source == "multi_turn" else None)
+            episodes = build_source(source_ctx) if cfg.rollout.source == "multi_turn" else None
             if episodes is not None:
                 rt.watchdog.cleanups.append(episodes.close)
             try:

@@ -10,6 +10,15 @@ from llamarl.rewards.scorer import score_groups
 from llamarl.rollout.source import Collected, RolloutSource
 
 
+def completion_sample(prompt_ids: list[int], c, version: int) -> Sample:
+    """The record of one single-turn sample: the prompt, then the engine's completion `c`
+    (one segment per version that sampled it; `version` when it does not say)."""
+    s = Sample(finish="stop" if c.finish_reason == "stop" else "length")
+    s.add_context(prompt_ids)
+    s.add_completion(c, version)
+    return s
+
+
 class SingleTurnSource(RolloutSource):
     def collect(self, prompts, n, temperature, seed, version, step=None,
                 first=0) -> Collected:
@@ -23,11 +32,8 @@ class SingleTurnSource(RolloutSource):
             scored, scores = score_groups(ctx.scorer, prompts, groups, first,
                                           shaped=step is not None)
         for grp in scored:
-            for c in grp.completions:
-                s = Sample(finish="stop" if c.finish_reason == "stop" else "length")
-                s.add_context(grp.prompt.token_ids)
-                s.add_completion(c, version)
-                grp.samples.append(s)
+            grp.samples += [completion_sample(grp.prompt.token_ids, c, version)
+                            for c in grp.completions]
         return Collected(scored, {"generate_s": t1 - t0, "reward_s": time.perf_counter() - t1,
                                   "reward_errors": scores.errors,
                                   "reward_timeouts": scores.timeouts})
