@@ -179,15 +179,17 @@ class Watchdog:
                           "or rank 0 died", None)
 
     def _die(self, cause: str, store, code: int = 1, prefix: str = "") -> None:
-        """Record `cause` for the peers (first report wins), clean up, end the process."""
+        """Say `cause`, record it for the peers (first report wins), clean up, end the
+        process. The line goes out first: once the peers read the report they exit, and
+        torchrun then kills this process within its 0.1 s monitor interval."""
+        print(f"llamarl: {self.role_name(self.rank)}: {prefix}{cause}", file=sys.stderr,
+              flush=True)
         if store is not None:
             try:
                 store.compare_set("failed", "", cause)
                 store.set(f"done/{self.rank}", "stopped")
             except Exception:
                 pass
-        print(f"llamarl: {self.role_name(self.rank)}: {prefix}{cause}", file=sys.stderr,
-              flush=True)
         for fn in self.cleanups:
             try:
                 fn()
