@@ -286,6 +286,11 @@ class SyncConfig:
     solo_mb: float = 1.0
     timeout_s: float = 1800.0  # longest a collective may block (a dead peer is found sooner)
     dead_peer_s: float = 30.0  # a rank silent this long is declared dead
+    # A lost engine (its process or node gone), with others left: `continue` without it (its
+    # prompts and batches go to the others, launch/roster.py) or `stop` the job. Engines of
+    # tp 1 in batch mode with gloo weight groups (CPU) continue; otherwise a loss stops the
+    # job, which recovers from its last checkpoint under torchrun --max-restarts / requeue.
+    engine_loss: str = "continue"
 
 
 @dataclass
@@ -317,6 +322,7 @@ BUILTIN_REWARDS = ("reverse_match", "exact_match", "gsm8k", "boxed", "format")
 _CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "generator.mode": ("batch", "continuous"),
+    "sync.engine_loss": ("continue", "stop"),
     "generator.in_flight_kv": ("recompute", "keep"),
     "model.attn_implementation": ("sdpa", "eager", "flash_attention_2", "flex_attention"),
     "trainer.master_dtype": ("float32", "bfloat16"),

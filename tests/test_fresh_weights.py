@@ -48,7 +48,9 @@ def follower(tmp_path):
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=30),
                           wait_for_workers=False)
     rt = SimpleNamespace(store=store, cfg=load_config(None, ["run.eval_every=0"]),
-                         watchdog=SimpleNamespace(check=lambda: None))
+                         watchdog=SimpleNamespace(check=lambda: None),
+                         new_store=lambda: dist.TCPStore("127.0.0.1", store.port, None, False,
+                                                         timeout=timedelta(seconds=30)))
     loads = []
     # the follower posts the receives, reads the announced version, then loads
     engine = SimpleNamespace(post_weights=lambda: None,

@@ -68,6 +68,19 @@ class Channel:
         done = len(self._unacked) - (self._seq - self._acked())
         del self._unacked[:max(done, 0)]
 
+    def adopt(self) -> int:
+        """Producer side, taking over a channel whose producer was lost (launch/roster.py):
+        continue its numbering after every batch it published. Its published batches stay
+        to be consumed (their payload must outlive it: shared memory does). Returns how many
+        batches the channel has carried."""
+        if not self.payload_outlives_producer:
+            raise RuntimeError(f"{self.channel}: a {self.transport} channel cannot be taken over")
+        acked = self._acked()
+        self._seq = acked + self.store.queue_len(self.queue_key)
+        self._unacked = [self._handle(seq) for seq in range(acked, self._seq)]
+        self._release(self._handle(self._seq))  # a payload it was writing, never published
+        return self._seq
+
     # -- consumer -------------------------------------------------------------------------
     def get(self) -> RolloutBatch:
         t0 = time.perf_counter()
@@ -108,6 +121,12 @@ class Channel:
 
     def _release(self, handle) -> bool:
         """Free an unconsumed payload; True if something was freed."""
+        raise NotImplementedError
+
+    payload_outlives_producer = False  # see adopt
+
+    def _handle(self, seq: int):
+        """The release handle of batch `seq` (adopt), as _send returned it."""
         raise NotImplementedError
 
 

@@ -51,7 +51,7 @@ class ShmChannel(Channel):
         self.prefix = f"{segment_prefix(run_id)}{channel}_"
 
     def _send(self, batch: RolloutBatch, seq: int) -> tuple[Path, dict]:
-        name = f"{self.prefix}{seq}"
+        name = self._handle(seq).name
         layout, size = pack.plan(batch)
         fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
@@ -76,6 +76,11 @@ class ShmChannel(Channel):
             os.close(fd)
             path.unlink(missing_ok=True)
         return pack.unpack(desc["layout"], buf, desc["info"])
+
+    payload_outlives_producer = True  # a segment stays in /dev/shm when its writer dies
+
+    def _handle(self, seq: int) -> Path:
+        return SHM_DIR / f"{self.prefix}{seq}"
 
     def _release(self, path: Path) -> bool:
         if path.exists():

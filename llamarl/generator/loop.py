@@ -33,17 +33,17 @@ from __future__ import annotations
 
 import time
 
-from llamarl.buffer.channel import open_channel
-from llamarl.buffer.record import RolloutBatch, episode_counts, split_groups
+from llamarl.buffer.record import RolloutBatch, episode_counts
 from llamarl.data.dataset import PromptData, load_prompt_data
-from llamarl.data.loader import PromptLoader, shard
 from llamarl.data.prompts import PromptFormatter
 from llamarl.generator.continuous import run_continuous
 from llamarl.generator.engine import Engine, EngineWorld, sampler_seed
 from llamarl.generator.evaluate import Evaluator
+from llamarl.generator.slots import SlotSet
 from llamarl.generator.weights import WeightFollower, fresh_version
 from llamarl.launch.cores import local_ranks, threads_for
-from llamarl.launch.runtime import Runtime, free_port, log
+from llamarl.launch.roster import Roster, join_group_name
+from llamarl.launch.runtime import Runtime, free_port, log, survives_engine_loss
 from llamarl.rewards.dynamic_sampling import collect_groups
 from llamarl.rewards.scorer import RewardScorer, ScoredGroup
 from llamarl.rollout.source import RolloutSource, SourceContext, build_source
@@ -78,16 +78,6 @@ def read_prompt_data(rt: Runtime) -> PromptData:
     return data
 
 
-def encode_prompts(rt: Runtime, data: PromptData, fmt: PromptFormatter):
-    """This engine's training-prompt loader (its shard of data.train) and its share of the
-    held-out prompts, tokenised; checks that every prompt fits the engine's context."""
-    cfg, e, engines = rt.cfg, rt.role.index, rt.layout.engines
-    train = fmt.encode(shard(data.train, e, engines))
-    held_out = fmt.encode(data.held_out[e::engines])
-    check_lengths(train + held_out, cfg.generator.max_new_tokens, cfg.generator.max_model_len)
-    return PromptLoader(train, cfg.run.seed, e, engines), held_out
-
-
 def largest_call(rt: Runtime, held_out: int) -> int:
     """Sequences of this engine's largest generate call: a training batch (continuous mode:
     the sequences kept running), or the held-out evaluation (its share of the held-out
@@ -100,15 +90,41 @@ def largest_call(rt: Runtime, held_out: int) -> int:
     return max(train, evaluation)
 
 
-def join_weight_groups(rt: Runtime, engine: Engine) -> None:
+def join_weight_groups(rt: Runtime, engine: Engine) -> int:
     """Join wsync<r> = [trainer r (group rank 0), generator ranks (1 + j)] for every trainer
-    rank r (see trainer.loop.open_weight_sender)."""
+    rank r (see trainer.loop.open_weight_sender); returns the first sync it receives: 0."""
     gen_ranks = rt.layout.generator_global_ranks
     me = 1 + gen_ranks.index(rt.role.rank)
     trainers = range(rt.layout.trainer_ranks)
     engine.join_weight_group([rt.group_spec(f"wsync{r}", me, 1 + len(gen_ranks)) for r in trainers],
                              [rt.wait_key(f"wsync/meta/{r}") for r in trainers],
                              rt.cfg.sync.bucket_mb, rt.cfg.sync.solo_mb)
+    return 0
+
+
+def join_as_replacement(rt: Runtime, engine: Engine) -> int:
+    """A replacement engine (launch/join.py) asks the trainers for its weights; trainer 0
+    picks the sync they start with (trainer/weight_members.py), and this engine builds a
+    two-rank group with each trainer rank for it. Returns that sync's number."""
+    e, n, trainers = rt.role.index, rt.joining, range(rt.layout.trainer_ranks)
+    rt.store.set(f"join/{e}", n)
+    first = int(rt.wait_key(f"join/{e}/{n}/sync"))
+    engine.join_weight_group([rt.group_spec(join_group_name(r, e, n), 1, 2) for r in trainers],
+                             [rt.wait_key(f"wsync/meta/{r}") for r in trainers],
+                             rt.cfg.sync.bucket_mb, rt.cfg.sync.solo_mb)
+    return first
+
+
+def rejoin(rt: Runtime, weights: WeightFollower, first_sync: int) -> None:
+    """A replacement: load the weights of sync `first_sync`, then rejoin the roster (its own
+    slot comes back from the engine that made it meanwhile, generator/slots.py)."""
+    weights.received = first_sync
+    version = int(rt.wait_key(f"wsync/version/{first_sync}"))
+    weights.resumed_at(version)  # evaluations resume at the next eval point
+    if weights.follow(need=version):
+        Roster(rt.store, rt.layout.engines).rejoin(rt.role.index)
+        log(rt, f"replacement engine {rt.role.index} has the weights of version {version}: "
+                f"back in the job")
 
 
 def run_generator(rt: Runtime) -> None:
@@ -129,11 +145,15 @@ def run_generator(rt: Runtime) -> None:
     if leader and engine.kv is not None:
         log(rt, engine.kv.describe())
 
-    join_weight_groups(rt, engine)
+    first_sync = join_as_replacement(rt, engine) if rt.joining else join_weight_groups(rt, engine)
 
     fmt = PromptFormatter(engine.tokenizer, cfg.data.chat_template, cfg.data.system_prompt,
                           model_path)
-    loader, held_out = encode_prompts(rt, data, fmt)
+    k, b = cfg.sync.max_staleness, rt.resume.get("step", 0)
+    survives = survives_engine_loss(cfg, rt.layout, rt.device)
+    slots = SlotSet(rt, data, fmt, b, keep_states=survives, own=not rt.joining,
+                    check=lambda prompts: check_lengths(prompts, g.max_new_tokens,
+                                                        g.max_model_len))
     scorer = RewardScorer(cfg.reward, g.max_new_tokens, str(rt.device))
     rt.watchdog.cleanups.append(scorer.close)
     if cfg.reward.model_path and scorer.model is None and e == 0 and leader:
@@ -143,30 +163,18 @@ def run_generator(rt: Runtime) -> None:
     source_ctx = SourceContext(cfg, engine, engine.tokenizer, fmt, scorer, e, timeline)
     source = build_source(source_ctx)
     rt.watchdog.cleanups.append(source.close)
-    evaluator = Evaluator(rt, source, held_out)
-    per_engine = g.prompts_per_step // rt.layout.engines
-    channels = ([open_channel(rt, e, t, "producer") for t in range(rt.layout.trainer_ranks)]
-                if leader else [])
-    rt.watchdog.cleanups.extend(ch.close for ch in channels)
-
+    evaluator = Evaluator(rt, source, slots.held_out)
     evaluator.timeline = timeline
     weights = WeightFollower(rt, engine, evaluator, timeline)
-    k, b = cfg.sync.max_staleness, rt.resume.get("step", 0)
-    if b:  # resuming: continue the prompt order right after the last batch trained on
-        state = rt.resume.get("data_state", {}).get(str(e))
-        if state is not None:
-            loader.load_state_dict(state)
-        else:  # a checkpoint from before data states were saved: every batch drew per_engine
-            loader.next(b * per_engine)
+    if rt.joining:  # from the sync the trainers send this replacement first, then its slot
+        rejoin(rt, weights, first_sync)
+    elif b:  # resuming: the slots continue the prompt order right after the last batch trained
         weights.resumed_at(b)
     else:
         evaluator.run(step=0, version=0)
     # Only the leader sees the channels; tp > 1 engines (rejected by the config for now) would
     # need its decision shared with their other ranks.
     prefer_fresh = cfg.sync.prefer_fresh and k >= 2 and leader and not cfg.sync.deterministic
-
-    def queued() -> bool:  # a batch of this engine still waits for the trainer
-        return any(ch.unconsumed() > 0 for ch in channels)
 
     try:
         if g.mode == "continuous":  # generator/continuous.py: the engine never drains
@@ -176,44 +184,55 @@ def run_generator(rt: Runtime) -> None:
             if episodes is not None:
                 rt.watchdog.cleanups.append(episodes.close)
             try:
-                run_continuous(rt, engine, scorer, episodes, loader, weights, channels,
+                own = slots.slots[e]
+                run_continuous(rt, engine, scorer, episodes, own.loader, weights, own.channels,
                                timeline, b, _to_batch, data.bad_row_count)
             finally:
                 if episodes is not None:
                     episodes.close()
-        while g.mode == "batch" and weights.follow(
-                need=b - k, queued=queued, exact=cfg.sync.deterministic,
-                prefer=fresh_version(b, k, cfg.sync.every) if prefer_fresh else None):
-            batch = sample_batch(rt, source, loader.next, weights.version, b)
+        while g.mode == "batch":
+            slots.refresh()  # slots taken over from a lost engine, or handed back
+            if not slots.slots:  # a replacement whose slot is not handed back yet
+                if weights.follow(need=1 << 62, interrupt=slots.changed) is False:
+                    break
+                continue
+            slot = slots.next()
+            b = slot.next_batch
+            ready = weights.follow(need=b - k, queued=slots.queued, exact=cfg.sync.deterministic,
+                                   prefer=fresh_version(b, k, cfg.sync.every) if prefer_fresh
+                                   else None, interrupt=slots.changed)
+            if ready is None:
+                continue  # the slots changed while waiting: the next batch may be another's
+            if not ready:
+                break
+            batch = sample_batch(rt, source, slot.loader.next, weights.version, b, slot.index)
             # the loader's position right after this batch (dynamic sampling draws a varying
             # number of prompts per batch)
-            batch.info.update(engine=e, data_state=loader.state_dict(), data_epoch=loader.epoch,
-                              data_bad_rows=data.bad_row_count,
-                              prev_put_s=sum(ch.last_put_s for ch in channels))
+            batch.info.update(engine=slot.index, made_by=e, data_state=slot.loader.state_dict(),
+                              data_epoch=slot.loader.epoch, data_bad_rows=data.bad_row_count,
+                              prev_put_s=slots.last_put_s())
             if leader:
                 with timeline.phase("put", b):
-                    for t, part in enumerate(split_groups(batch, rt.layout.trainer_ranks)):
-                        channels[t].put(part, abort=weights.trainer_done)
-            b += 1
+                    slots.put(slot, batch, abort=weights.trainer_done)
         weights.finish()
     except BaseException:
-        for ch in channels:
-            ch.close()  # failing: unlink what is in flight at once
+        slots.close()  # failing: unlink what is in flight at once
         raise
     finally:
         source.close()
         scorer.close()
-    extra = sum(ch.close() for ch in channels)  # batches made ahead after the last step
+    extra = slots.close()  # batches made ahead after the last step
     if extra:
         log(rt, f"{extra} rollout batch(es) generated ahead of the last trainer step were "
                 "not needed and were discarded")
 
 
 def sample_batch(rt: Runtime, source: RolloutSource, draw, version: int,
-                 step: int) -> RolloutBatch:
-    """Rollout batch `step` of this engine: prompts_per_step / engines scored groups drawn with
-    `draw(n)`, generated by policy `version` (several rounds with dynamic sampling)."""
-    cfg, g, e = rt.cfg, rt.cfg.generator, rt.role.index
+                 step: int, e: int) -> RolloutBatch:
+    """Rollout batch `step` of slot `e` (launch/roster.py: engine e's unless it was lost):
+    prompts_per_step / engines scored groups drawn with `draw(n)`, generated by policy
+    `version` (several rounds with dynamic sampling)."""
+    cfg, g = rt.cfg, rt.cfg.generator
     per_engine = g.prompts_per_step // rt.layout.engines
     metrics: dict[str, float] = {}
 

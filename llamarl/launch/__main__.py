@@ -21,7 +21,9 @@ SILENT_RANK_GRACE_S = 3.0
 
 USAGE = ("usage: torchrun --nproc-per-node N -m llamarl.launch RECIPE.yaml [key=value ...]\n"
          "   or: python -m llamarl.launch RECIPE.yaml [key=value ...]   (starts torchrun itself)\n"
-         "   or: python -m llamarl.launch --ranks RECIPE.yaml [key=value ...]  (print N)")
+         "   or: python -m llamarl.launch --ranks RECIPE.yaml [key=value ...]  (print N)\n"
+         "   or: python -m llamarl.launch --join RUN_DIR [key=value ...]  (replace a lost "
+         "engine of a running job)")
 
 
 def self_launch(n_ranks: int, argv: list[str]) -> None:
@@ -38,22 +40,32 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
-    print_ranks = argv[0] == "--ranks"
-    if print_ranks:
+    print_ranks, joining = argv[0] == "--ranks", argv[0] == "--join"
+    if print_ranks or joining:
         argv = argv[1:]
+        if not argv:
+            print(USAGE)
+            return 2
     recipe, overrides = argv[0], argv[1:]
-    env = None
+    env, incarnation = None, ""
     try:
-        cfg = load_config(recipe, overrides)
-        if print_ranks:
+        if joining:
+            from llamarl.launch.join import plan_join
+            cfg, layout, env, incarnation = plan_join(recipe, overrides)
+            print(f"llamarl: joining the job of {recipe} as {layout.role_of(env.rank).name} "
+                  f"(rank {env.rank}), replacing the lost engine", file=sys.stderr, flush=True)
+        elif print_ranks:
+            cfg = load_config(recipe, overrides)
             print(cfg.trainer.ranks + cfg.generator.engines * cfg.generator.tp)
             return 0
-        env = from_environ()
-        needed = cfg.trainer.ranks + cfg.generator.engines * cfg.generator.tp
-        if env is None:
-            self_launch(needed, argv)
-        layout = compute_layout(env.world_size, env.local_world_size, cfg.trainer.ranks,
-                                cfg.generator.engines, cfg.generator.tp)
+        else:
+            cfg = load_config(recipe, overrides)
+            env = from_environ()
+            needed = cfg.trainer.ranks + cfg.generator.engines * cfg.generator.tp
+            if env is None:
+                self_launch(needed, argv)
+            layout = compute_layout(env.world_size, env.local_world_size, cfg.trainer.ranks,
+                                    cfg.generator.engines, cfg.generator.tp)
     except ValueError as e:
         if env is None or env.local_rank == 0:
             print(f"llamarl: error: {e}", file=sys.stderr, flush=True)
@@ -67,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     from llamarl.launch.runtime import SetupError, setup  # heavy imports start here
 
     try:
-        rt = setup(cfg, layout, env)
+        rt = setup(cfg, layout, env, joining=incarnation)
     except SetupError as e:  # reported to the peers when a store was reached
         print(f"llamarl: rank {env.rank}: error: {e}", file=sys.stderr, flush=True)
         time.sleep(SILENT_RANK_GRACE_S)  # the peers read the report from the store first

@@ -25,8 +25,9 @@ from llamarl.buffer.shm import sweep_run
 from llamarl.config import Config, config_to_yaml
 from llamarl.errors import first_line
 from llamarl.launch.dist_env import DistEnv
-from llamarl.launch.job_store import StoreError, open_job_store
+from llamarl.launch.job_store import StoreError, job_identity, open_job_store
 from llamarl.launch.layout import Layout, RankRole
+from llamarl.launch.roster import Roster
 from llamarl.launch.watchdog import Watchdog
 from llamarl.parallel.groups import GroupSpec, connect_store, default_backend
 
@@ -46,6 +47,7 @@ class Runtime:
     device: torch.device
     watchdog: Watchdog
     hosts_store: bool = False  # this process serves the job store (Slurm / plain env rank 0)
+    joining: str = ""  # a replacement engine (launch/join.py): its incarnation
 
     @property
     def on_cpu(self) -> bool:
@@ -89,7 +91,7 @@ def pick_device(env: DistEnv) -> torch.device:
     return torch.device("cpu")
 
 
-def setup(cfg: Config, layout: Layout, env: DistEnv) -> Runtime:
+def setup(cfg: Config, layout: Layout, env: DistEnv, joining: str = "") -> Runtime:
     role = layout.role_of(env.rank)
     prefix = f"llamarl/{env.restart}"
     hosts_store = not env.agent_store and env.rank == 0
@@ -106,7 +108,8 @@ def setup(cfg: Config, layout: Layout, env: DistEnv) -> Runtime:
         return dist.PrefixStore(prefix, connect_store(env.master_addr, env.master_port,
                                                       cfg.sync.timeout_s))
 
-    watchdog = Watchdog(make_store, env.rank, layout, cfg.sync.dead_peer_s)
+    watchdog = Watchdog(make_store, env.rank, layout, cfg.sync.dead_peer_s,
+                        excuse=engine_loss_excuse(cfg, layout, device))
     watchdog.start()
 
     if env.rank == 0:
@@ -125,13 +128,56 @@ def setup(cfg: Config, layout: Layout, env: DistEnv) -> Runtime:
     except RuntimeError as e:  # rank 0 failed to set up: say its reason, no traceback
         watchdog.stop_now(str(e))
     rt = Runtime(cfg, layout, role, env, store, prefix, rt_info["id"], Path(rt_info["dir"]),
-                 device, watchdog, hosts_store)
+                 device, watchdog, hosts_store, joining)
+    if joining:  # a replacement engine (launch/join.py): the peers watch this rank again
+        store.delete_key(f"done/{env.rank}")
     if rt.run_dir.is_dir():  # shared filesystem (always on one host): who runs where
         with open(rt.run_dir / "ranks.jsonl", "a") as f:
             f.write(json.dumps({"rank": env.rank, "role": role.name, "host": socket.gethostname(),
                                 "pid": os.getpid(), "device": str(device)}) + "\n")
     watchdog.cleanups.append(rt.cleanup_shared_memory)
     return rt
+
+
+def survives_engine_loss(cfg: Config, layout: Layout, device: torch.device) -> bool:
+    """Whether the job goes on when an engine is lost (sync.engine_loss, docs/operations.md):
+    another engine must be left, each engine one rank (tp 1), batch generation (slots change
+    hands at batch boundaries), gloo weight groups, whose point-to-point sends can leave a
+    member out (an NCCL broadcast cannot), and rollouts in shared memory, which outlives its
+    writer (every engine on the node of every trainer rank)."""
+    nodes = {layout.node_of(r) for r in range(layout.world_size)}
+    return (cfg.sync.engine_loss == "continue" and layout.engines >= 2 and layout.tp == 1
+            and cfg.generator.mode == "batch" and default_backend(device) == "gloo"
+            and len(nodes) == 1)
+
+
+def engine_loss_excuse(cfg: Config, layout: Layout, device: torch.device):
+    """The watchdog's `excuse`: a dead generator rank is dropped from the roster (its slots go
+    to the live engines) when the job survives engine losses; the rank that declares the loss
+    says so in one line."""
+    survives = survives_engine_loss(cfg, layout, device)
+
+    def excuse(store, rank: int, cause: str) -> bool:
+        role = layout.role_of(rank)
+        if role.role != "generator" or not survives:
+            return False
+        state = Roster(store, layout.engines).mark_lost(role.index)
+        if state is None:  # another rank's watchdog declared it first, or it was a
+            for key in (f"join/{role.index}", f"join/{role.index}/claimed"):
+                store.delete_key(key)  # replacement that died before it was back
+            return True
+        if not state.live:
+            return False  # the last engine: the job cannot go on
+        store.set(f"done/{rank}", "lost")
+        moved = [s for s in range(layout.engines) if s == role.index
+                 or state.owner[s] != s]
+        print(f"llamarl: {cause}: the job goes on with {len(state.live)} of {layout.engines} "
+              f"engines; "
+              + ", ".join(f"generator {state.owner[s]} makes slot {s}" for s in moved)
+              + " (sync.engine_loss=continue)", file=sys.stderr, flush=True)
+        return True
+
+    return excuse
 
 
 class SetupError(RuntimeError):
@@ -157,7 +203,12 @@ def _make_run_dir(cfg: Config, layout: Layout, env: DistEnv, store, raw) -> None
         (run_dir / "recipe.yaml").write_text(config_to_yaml(cfg))  # a resume: once loaded
     (run_dir / "layout.json").write_text(json.dumps({
         "world_size": layout.world_size, "trainer_ranks": layout.trainer_ranks,
-        "engines": layout.engines, "tp": layout.tp, "launcher": env.launcher}, indent=1))
+        "engines": layout.engines, "tp": layout.tp, "launcher": env.launcher,
+        "ranks_per_node": layout.ranks_per_node}, indent=1))
+    # where a replacement engine finds the job (python -m llamarl.launch --join RUN_DIR)
+    (run_dir / "store.json").write_text(json.dumps({
+        "addr": env.master_addr, "port": env.master_port, "restart": env.restart,
+        "launcher": env.launcher, "job": job_identity()}, indent=1))
     store.set("run", json.dumps({"id": run_id, "dir": str(run_dir)}))
 
 

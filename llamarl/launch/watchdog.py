@@ -9,6 +9,10 @@ reads everyone else's. A rank fails the job when:
 The thread then prints one line naming the rank and role, runs the cleanup hooks (shared memory)
 and ends the process with `os._exit(1)`: the main thread may be blocked inside a collective that
 would otherwise wait for its full timeout.
+
+A dead peer that the job can do without (an engine, when others are left: `excuse`, see
+launch/roster.py) is not a failure: it is excused, and watched again if a replacement takes its
+rank (its `done/<rank>` key, set to "lost", is deleted then).
 """
 
 from __future__ import annotations
@@ -29,13 +33,18 @@ HEARTBEAT_S = 1.0
 
 class Watchdog:
     def __init__(self, make_store: Callable[[], object], rank: int, layout: Layout,
-                 dead_after_s: float, startup_grace_s: float = 600.0):
+                 dead_after_s: float, startup_grace_s: float = 600.0,
+                 excuse: Callable[[object, int, str], bool] = lambda store, rank, cause: False):
         self.make_store = make_store  # a fresh client connection for this thread
         self.rank = rank
         self.layout = layout
         self.dead_after_s = dead_after_s
         self.startup_grace_s = startup_grace_s
         self.cleanups: list[Callable[[], None]] = []
+        # excuse(store, rank, cause): True when the job goes on without dead peer `rank`
+        # (it has then marked it done/<rank> = "lost"); called from the watchdog thread
+        self.excuse = excuse
+        self.excused: set[int] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -114,8 +123,8 @@ class Watchdog:
     def _gone_peer(self, store=None) -> int | None:
         """A same-host peer whose process no longer runs (missing or a zombie) and that did
         not end on its own terms (done, failed with a report, or stopped by the launcher)."""
-        for r, pid in self._peers_proc.items():
-            if pid > 0 and not _alive(pid):
+        for r, pid in list(self._peers_proc.items()):
+            if pid > 0 and r not in self.excused and not _alive(pid):
                 try:
                     if store is not None and store.check([f"done/{r}"]):
                         continue
@@ -151,14 +160,20 @@ class Watchdog:
                 msg = self._failure_message(store)
                 if msg:
                     self._die(msg, store, prefix="stopping: ")
+                now = time.monotonic()
+                for r in list(self.excused):  # a replacement took the rank: watch it again
+                    if not store.check([f"done/{r}"]):
+                        self.excused.discard(r)
+                        self._peers_proc.pop(r, None)
+                        last[r] = (-1, now)
                 self._local_pids(store, peers)
                 gone = self._gone_peer(store)
                 if gone is not None:
                     pid = self._peers_proc[gone]
-                    self._die(f"{self.role_name(gone)} died (process {pid} is gone)", store)
-                now = time.monotonic()
+                    self._fault(gone, f"{self.role_name(gone)} died (process {pid} is gone)",
+                                store)
                 for r in peers:
-                    if store.check([f"done/{r}"]):
+                    if r in self.excused or store.check([f"done/{r}"]):
                         continue
                     count = store.add(f"hb/{r}", 0)
                     seen, since = last[r]
@@ -168,8 +183,8 @@ class Watchdog:
                     limit = self.dead_after_s if count > 0 else self.startup_grace_s
                     if now - since > limit:
                         what = "no heartbeat" if count > 0 else "never started"
-                        self._die(f"{self.role_name(r)} is dead ({what} for {now - since:.0f} s)",
-                                  store)
+                        self._fault(r, f"{self.role_name(r)} is dead ({what} for "
+                                       f"{now - since:.0f} s)", store)
             except Exception as e:  # the store is gone: the agent or rank 0 died
                 if self._stop.is_set():
                     return
@@ -177,6 +192,13 @@ class Watchdog:
                     continue
                 self._die(f"lost the job's store ({type(e).__name__}: {e}); the launcher agent "
                           "or rank 0 died", None)
+
+    def _fault(self, rank: int, cause: str, store) -> None:
+        """Peer `rank` is dead: go on without it if the job can (excused), else fail."""
+        if self.excuse(store, rank, cause):
+            self.excused.add(rank)
+        else:
+            self._die(cause, store)
 
     def _die(self, cause: str, store, code: int = 1, prefix: str = "") -> None:
         """Say `cause`, record it for the peers (first report wins), clean up, end the

@@ -36,9 +36,8 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -220,8 +219,16 @@ class WeightSender:
 
     def __init__(self, model: torch.nn.Module, rank: int, bucket_mb: int,
                  group: dist.ProcessGroup | None, device: torch.device, store=None,
-                 wire_dtype: torch.dtype | None = None, solo_mb: float | None = None):
+                 wire_dtype: torch.dtype | None = None, solo_mb: float | None = None,
+                 members: Members | None = None, lost_grace_s: float = 0.0):
         self.rank = rank
+        # Who receives (trainer/weight_members.py): on gloo's point-to-point path each sync
+        # goes to `members.targets()`, the engines alive; a send that fails because its
+        # receiver died is forgiven once `members.lost()` names it (within lost_grace_s), and
+        # a send that hangs on a lost receiver (its node is gone) is abandoned. A broadcast
+        # (NCCL) cannot leave a member out: there a loss fails the job.
+        self.members = members or Members(lambda: self.group)
+        self.lost_grace_s = lost_grace_s
         self.buffers = persistent_buffer_names(model)
         self.metas = [m for m, _ in local_pieces(model, rank, self.buffers, wire_dtype)]
         self.buckets = plan_buckets(self.metas, bucket_mb << 20, solo_bytes_of(solo_mb))
@@ -261,7 +268,8 @@ class WeightSender:
         self._waiter: threading.Thread | None = None
         self._in_flight: queue.SimpleQueue = queue.SimpleQueue()
         self._sent: threading.Event | None = None  # set when the sync in flight is sent
-        self._error: BaseException | None = None
+        self._failures: list[tuple[int, BaseException]] = []  # (receiver, why its send failed)
+        self._blocked_on: int | None = None  # the receiver whose send the waiter waits for
         self._announced = 0
 
     def _local_tensors(self) -> dict[str, torch.Tensor]:
@@ -299,13 +307,14 @@ class WeightSender:
         t0 = time.perf_counter()
         works = []
         p2p = point_to_point(self.group)
+        targets = self.members.targets() if p2p else []
         with torch.no_grad():
             local = self._local_tensors()
             for b, (bucket, slots, flat, shapes) in enumerate(zip(
                     self.buckets, self._slots, self._flats, self._shapes)):
                 if flat is None:  # straight from the parameter (see guard)
                     (meta, _), = bucket.entries
-                    works += post_to_all(self.group, local[meta.name].view(-1), b, p2p)
+                    works += self._post(local[meta.name].view(-1), b, p2p, targets)
                     continue
                 pieces = [local[name] for name, _ in slots]
                 assert [p.shape for p in pieces] == shapes, "a tensor changed shape since setup"
@@ -316,14 +325,33 @@ class WeightSender:
                 if to_copy:
                     dsts, srcs = zip(*to_copy)
                     torch._foreach_copy_(list(dsts), list(srcs))
-                works += post_to_all(self.group, flat, b, p2p)
+                works += self._post(flat, b, p2p, targets)
         self._track(works, t0, p2p)
 
-    def _track(self, works: list[dist.Work], t0: float, p2p: bool) -> None:
+    def _post(self, tensor: torch.Tensor, tag: int, p2p: bool,
+              targets: list[tuple[int, dist.ProcessGroup, int]]) -> list[tuple[int, dist.Work]]:
+        """Post one bucket to each (receiver, group, group rank) of `targets` (p2p) or to the
+        whole group; returns (receiver, work) pairs (receiver -1: the broadcast). A receiver
+        whose send cannot even be posted (gloo raises at once when the peer has closed its
+        connection) is left out of the rest of this sync and settled in `wait`."""
+        if not p2p:
+            return [(-1, w) for w in post_to_all(self.group, tensor, tag, p2p)]
+        works = []
+        for target in list(targets):
+            receiver, group, dst = target
+            try:
+                works.append((receiver, group.send([tensor], dst, tag)))
+            except RuntimeError as e:
+                self._failures.append((receiver, e))
+                targets.remove(target)
+        return works
+
+    def _track(self, pairs: list[tuple[int, dist.Work]], t0: float, p2p: bool) -> None:
         """Time the sync in flight (`last_broadcast_s`) and keep what `wait` waits for."""
-        if not works:
+        if not pairs:
             return
         if not p2p:  # a broadcast's future completes when it has been sent (NCCL: by the GPU)
+            works = [w for _, w in pairs]
             futures = [w.get_future() for w in works]
             done = futures[0] if len(futures) == 1 else torch.futures.collect_all(futures)
             done.then(lambda _: setattr(self, "last_broadcast_s", time.perf_counter() - t0))
@@ -335,23 +363,55 @@ class WeightSender:
         # life: starting a thread per sync cost ~0.5 ms on the 2-core CPU (start() waits
         # until the new thread runs), a quarter of a tiny model's sync.
         if self._waiter is None:
+            self._in_flight = queue.SimpleQueue()  # this thread's own (see _abandon_lost)
             self._waiter = threading.Thread(target=self._wait_sends, daemon=True,
-                                            name="llamarl-wsync")
+                                            args=(self._in_flight,), name="llamarl-wsync")
             self._waiter.start()
         self._sent = threading.Event()
-        self._in_flight.put((works, t0, self._sent))
+        self._in_flight.put((pairs, t0, self._sent))
 
-    def _wait_sends(self) -> None:
-        """The waiter thread: wait for each sync's sends, time it, and say when it is done."""
-        while True:
-            works, t0, sent = self._in_flight.get()
-            try:
-                for w in works:
+    def _wait_sends(self, in_flight: queue.SimpleQueue) -> None:
+        """The waiter thread: wait for each sync's sends, time it, and say when it is done.
+        A failed send is noted with its receiver and settled by `wait`."""
+        me = threading.current_thread()
+        while self._waiter is me:
+            pairs, t0, sent = in_flight.get()
+            failures = []
+            for dst, w in pairs:
+                if any(dst == d for d, _ in failures):
+                    continue
+                self._blocked_on = dst
+                try:
                     w.wait()
+                except BaseException as e:  # noqa: BLE001 - settled by wait()
+                    failures.append((dst, e))
+                if self._waiter is not me:  # abandoned while blocked on a lost receiver
+                    return
+            self._blocked_on = None
+            self._failures += failures
+            if not failures:
                 self.last_broadcast_s = time.perf_counter() - t0
-            except BaseException as e:  # noqa: BLE001 - raised again by wait()
-                self._error = e
             sent.set()
+
+    def _abandon_lost(self) -> bool:
+        """The waiter is blocked on a send to a receiver that is lost (its node is gone, so
+        nothing closes the connection): stop waiting for it. The thread is left to end on
+        its own (gloo times the send out); the next sync starts a new one."""
+        dst = self._blocked_on
+        if dst is None or dst not in self.members.lost():
+            return False
+        self._waiter, self._blocked_on = None, None
+        return True
+
+    def _settle(self, failures: list[tuple[int, BaseException]]) -> None:
+        """Forgive the sends that failed because their receiver died, once it is declared
+        lost; anything else is an error."""
+        deadline = time.monotonic() + self.lost_grace_s
+        for dst, error in failures:
+            while dst not in self.members.lost():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"weight broadcast failed: {error}") from error
+                time.sleep(0.1)
 
     def guard(self, optimizer: torch.optim.Optimizer) -> None:
         """Make `optimizer.step()` wait for the sync in flight: some buckets are sent straight
@@ -368,10 +428,27 @@ class WeightSender:
         except BaseException as e:
             raise RuntimeError(f"weight broadcast failed: {e}") from e
         if sent is not None:
-            sent.wait()
-        error, self._error = self._error, None
-        if error is not None:
-            raise RuntimeError(f"weight broadcast failed: {error}") from error
+            while not sent.wait(0.5):
+                if self._abandon_lost():
+                    break
+        failures, self._failures = self._failures, []
+        self._settle(failures)
+
+
+class Members:
+    """Who receives a sender's syncs on gloo point to point: (receiver, group, group rank)
+    for every receiver, and which receivers are lost. This default: every member of the
+    sender's group but itself, none lost (trainer/weight_members.py knows the roster)."""
+
+    def __init__(self, group: Callable[[], dist.ProcessGroup]):
+        self.group = group
+
+    def targets(self) -> list[tuple[int, dist.ProcessGroup, int]]:
+        group = self.group()
+        return [(d, group, d) for d in range(1, group.size())]
+
+    def lost(self) -> set[int]:
+        return set()
 
 
 def _sendable_as_is(t: torch.Tensor | None, bucket: Bucket, device: torch.device) -> bool:
@@ -398,23 +475,11 @@ def _owner(model: torch.nn.Module, name: str) -> tuple[dict, str]:
     return (module._parameters if attr in module._parameters else module._buffers), attr
 
 
-def broadcast_announced(store, index: int, timeout_s: float = 0.0) -> bool:
-    """Whether broadcast number `index` is announced, waiting up to `timeout_s` for it
-    (woken the moment it is). A receiver posts its receives as soon as this says yes and
-    reads the version (`announced_version`) while the bytes travel: one store round trip
-    less before the transfer starts (~0.2 ms on the 2-core CPU, a tenth of a tiny sync)."""
-    key = f"wsync/version/{index}"
-    if timeout_s <= 0:
-        return store.check([key])
-    try:
-        store.wait([key], timedelta(seconds=timeout_s))
-    except dist.DistStoreError:
-        return False
-    return True
-
-
 def announced_version(store, index: int) -> int:
-    """Policy version of broadcast number `index` (announced: see broadcast_announced)."""
+    """Policy version of broadcast number `index`, once announced. A receiver posts its
+    receives as soon as it sees the announcement and reads the version while the bytes
+    travel: one store round trip less before the transfer starts (~0.2 ms on the 2-core CPU,
+    a tenth of a tiny sync); generator/weights.py: Announcements."""
     return int(store.get(f"wsync/version/{index}"))
 
 

@@ -29,7 +29,8 @@ from llamarl.algorithms.registry import ALGORITHMS
 from llamarl.buffer.channel import open_channel
 from llamarl.buffer.record import RolloutBatch
 from llamarl.launch.cores import threads_for
-from llamarl.launch.runtime import Runtime, log
+from llamarl.launch.roster import Roster
+from llamarl.launch.runtime import Runtime, log, survives_engine_loss
 from llamarl.parallel.fsdp import apply_fsdp
 from llamarl.parallel.groups import make_group
 from llamarl.parallel.weight_sync import WeightSender, metas_to_json
@@ -43,6 +44,7 @@ from llamarl.trainer.policy import DTYPES, load_policy
 from llamarl.trainer.reward_model import build_reward_model
 from llamarl.trainer.rl_step import policy_step
 from llamarl.trainer.step import PolicyTrainer
+from llamarl.trainer.weight_members import EngineMembers
 
 TRAINER_BACKEND = {"cuda": "cpu:gloo,cuda:nccl", "cpu": "gloo"}
 
@@ -79,10 +81,13 @@ def open_weight_sender(rt: Runtime, model: torch.nn.Module) -> WeightSender:
     r = rt.role.index
     # the engines hold model.dtype; the trainer's master weights may be wider (float32)
     sender = WeightSender(model, r, rt.cfg.sync.bucket_mb, None, rt.device, rt.store,
-                          wire_dtype=DTYPES[rt.cfg.model.dtype], solo_mb=rt.cfg.sync.solo_mb)
+                          wire_dtype=DTYPES[rt.cfg.model.dtype], solo_mb=rt.cfg.sync.solo_mb,
+                          lost_grace_s=rt.cfg.sync.dead_peer_s + 5.0)
     rt.store.set(f"wsync/meta/{r}", metas_to_json(sender.metas))
     n_gen = len(rt.layout.generator_global_ranks)
     sender.group = make_group(rt.group_spec(f"wsync{r}", 0, 1 + n_gen))
+    if survives_engine_loss(rt.cfg, rt.layout, rt.device):  # engines lost and replaced
+        sender.members = EngineMembers(rt, sender.group)
     return sender
 
 
@@ -161,6 +166,8 @@ def run_trainer(rt: Runtime) -> None:
             "parameters")
 
     timeline = Timeline(rt.run_dir, rt.role.rank, rt.role.name)
+    roster = (Roster(rt.store, rt.layout.engines)
+              if r == 0 and survives_engine_loss(cfg, rt.layout, rt.device) else None)
     version, dropped_total, k = 0, 0, cfg.sync.max_staleness
     resume = rt.resume
     # Per engine, the prompt loader's state after the last batch trained on (saved in every
@@ -265,6 +272,8 @@ def run_trainer(rt: Runtime) -> None:
         row.update(reward_metrics(info))  # reward errors/timeouts, dynamic sampling, components
         row.update(rollout_metrics(info))  # multi-turn: turns, tool calls, errors, env time
         row.update(rm_row)  # reward/reward_model, reward_model_s (trainer placement)
+        if roster is not None:  # engines alive (launch/roster.py): fewer after a loss
+            row["engines_live"] = len(roster.read().live)
         row["skipped_steps_total"] = int(stats["skipped_total"])
         if "skipped" in stats:
             row["skipped_step"] = 1

@@ -1,0 +1,154 @@
+"""The slots a generator makes (launch/roster.py): for each, its prompt loader, its held-out
+prompts, its channels to the trainer ranks and the next batch it owes.
+
+An engine starts with its own slot. When another engine is lost and the roster gives this one
+its slot, it takes the slot over at a batch boundary, at the first batch the lost engine did not
+deliver to every trainer rank: its channels continue their numbering (the batches the lost
+engine published stay in shared memory and are trained on, none is made twice), its prompt
+loader continues from the state the lost engine wrote before that batch (`slot/<s>/after/<b>`),
+and its sampling seeds are the slot's. The trainers read the same channels and see the same
+batch size. A batch the lost engine delivered to some trainer ranks only is made again and sent
+to the others, whole groups each, so no prompt group is trained twice.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from llamarl.buffer.channel import Channel, open_channel
+from llamarl.buffer.record import RolloutBatch, split_groups
+from llamarl.data.dataset import PromptData
+from llamarl.data.loader import PromptLoader, shard
+from llamarl.data.prompts import PromptFormatter
+from llamarl.launch.roster import Roster
+from llamarl.launch.runtime import Runtime, log
+
+
+@dataclass
+class Slot:
+    index: int
+    loader: PromptLoader
+    held_out: list  # this slot's held-out prompts, encoded
+    channels: list[Channel]  # to trainer rank t; empty on a non-leader rank
+    next_batch: int
+    skip: set[int] = field(default_factory=set)  # trainer ranks that have next_batch already
+
+
+class SlotSet:
+    """The slots this engine makes now. With `keep_states` (the job survives engine losses)
+    each batch's prompt-loader state goes to the store first, for whoever takes the slot over."""
+
+    def __init__(self, rt: Runtime, data: PromptData, fmt: PromptFormatter, first_batch: int,
+                 keep_states: bool, own: bool = True, check=lambda prompts: None):
+        self.rt, self.data, self.fmt, self.check = rt, data, fmt, check
+        self.first_batch = first_batch  # the run's first batch in this launch (a resume's step)
+        self.keep_states = keep_states
+        self.me = rt.role.index
+        self.roster = Roster(rt.store, rt.layout.engines)
+        self.epoch = 0
+        self.slots: dict[int, Slot] = {}
+        if not own:  # a replacement: its slot comes back through refresh()
+            self.epoch = -1
+            return
+        own = self._slot(self.me, first_batch)
+        state = rt.resume.get("data_state", {}).get(str(self.me)) if first_batch else None
+        if state is not None:
+            own.loader.load_state_dict(state)
+        elif first_batch:  # a checkpoint from before data states: every batch drew per_slot
+            own.loader.next(first_batch * self.per_slot)
+        self.slots = {self.me: own}
+
+    @property
+    def per_slot(self) -> int:
+        return self.rt.cfg.generator.prompts_per_step // self.rt.layout.engines
+
+    def _slot(self, s: int, next_batch: int) -> Slot:
+        cfg, engines = self.rt.cfg, self.rt.layout.engines
+        train = self.fmt.encode(shard(self.data.train, s, engines))
+        held_out = self.fmt.encode(self.data.held_out[s::engines])
+        self.check(train + held_out)
+        channels = ([open_channel(self.rt, s, t, "producer")
+                     for t in range(self.rt.layout.trainer_ranks)]
+                    if self.rt.role.is_engine_leader else [])
+        self.rt.watchdog.cleanups.extend(ch.close for ch in channels)
+        return Slot(s, PromptLoader(train, cfg.run.seed, s, engines), held_out, channels,
+                    next_batch)
+
+    # -- at batch boundaries -------------------------------------------------------------
+    def refresh(self) -> None:
+        """Take over the slots the roster gives this engine (once their last holder has let
+        go) and hand back those it no longer gives it (a replacement engine joined)."""
+        if not self.keep_states:
+            return
+        state = self.roster.read()
+        mine = set(state.slots_of(self.me))
+        if state.epoch == self.epoch and mine == set(self.slots):
+            return
+        self.epoch = state.epoch
+        for s in [s for s in self.slots if s not in mine]:
+            # its published batches stay until consumed; the next holder releases what
+            # is left at the end (Channel.adopt)
+            slot = self.slots.pop(s)
+            self.roster.release(s, self.me)
+            log(self.rt, f"handed slot {s} back at batch {slot.next_batch}")
+        for s in sorted(mine - set(self.slots)):
+            if self.roster.take(s, self.me):
+                self.slots[s] = self._adopt(s)
+
+    def changed(self) -> bool:
+        """Whether `refresh` has something to do (read while waiting for weights)."""
+        if not self.keep_states:
+            return False
+        state = self.roster.read()
+        return state.epoch != self.epoch or set(state.slots_of(self.me)) != set(self.slots)
+
+    def _adopt(self, s: int) -> Slot:
+        slot = self._slot(s, next_batch=0)
+        carried = [ch.adopt() for ch in slot.channels]  # batches each trainer rank has
+        n = min(carried)
+        slot.next_batch = self.first_batch + n
+        slot.skip = {t for t, c in enumerate(carried) if c > n}
+        if slot.next_batch > self.first_batch:
+            key = f"slot/{s}/after/{slot.next_batch - 1}"
+            slot.loader.load_state_dict(json.loads(self.rt.wait_key(key, timeout_s=60.0)))
+        else:
+            state = self.rt.resume.get("data_state", {}).get(str(s))
+            if state is not None:
+                slot.loader.load_state_dict(state)
+        log(self.rt, f"took over slot {s} at batch {slot.next_batch}"
+                     + (f" (trainer ranks {sorted(slot.skip)} have it already)"
+                        if slot.skip else ""))
+        return slot
+
+    def next(self) -> Slot:
+        """The slot whose next batch is needed first."""
+        return min(self.slots.values(), key=lambda sl: (sl.next_batch, sl.index))
+
+    def queued(self) -> bool:
+        """A batch of this engine still waits for the trainer."""
+        return any(ch.unconsumed() > 0 for sl in self.slots.values() for ch in sl.channels)
+
+    def put(self, slot: Slot, batch: RolloutBatch, abort) -> None:
+        """Ship `batch` (slot.next_batch) to the trainer ranks, whole groups each."""
+        b = slot.next_batch
+        if self.keep_states and self.rt.role.is_engine_leader:
+            store = self.rt.store
+            store.set(f"slot/{slot.index}/after/{b}", json.dumps(slot.loader.state_dict()))
+            if b - 2 >= self.first_batch:
+                store.delete_key(f"slot/{slot.index}/after/{b - 2}")
+        for t, part in enumerate(split_groups(batch, self.rt.layout.trainer_ranks)):
+            if t not in slot.skip and slot.channels:
+                slot.channels[t].put(part, abort=abort)
+        slot.skip = set()
+        slot.next_batch += 1
+
+    def held_out(self) -> dict[int, list]:
+        return {s: sl.held_out for s, sl in sorted(self.slots.items())}
+
+    def last_put_s(self) -> float:
+        return sum(ch.last_put_s for sl in self.slots.values() for ch in sl.channels)
+
+    def close(self) -> int:
+        """Release unconsumed batches; returns how many."""
+        return sum(ch.close() for sl in self.slots.values() for ch in sl.channels)

@@ -1,0 +1,138 @@
+"""Which engines are alive and which engine makes each slot's rollout batches.
+
+The prompts and batches of a run are divided into E *slots*, one per engine of the recipe:
+slot s owns prompt shard s, the held-out shard s, its sampling seeds and the channels
+`e<s>t<r>` to every trainer rank r. Normally engine s makes slot s. When an engine is lost
+(its process is gone, or its node: see launch/watchdog.py) its slots go to the live engine
+with the fewest slots, which makes them from the next batch they owe, with the same prompts
+in the same order and the same seeds: the trainers see the same batch size and read the
+same channels, and nothing the lost engine had delivered is made again (generator/slots.py).
+A replacement engine (`python -m llamarl.launch --join RUN_DIR`) takes its slot back.
+
+The state is one JSON value in the job store (`roster`), changed under a store lock; every
+change bumps its `epoch`, which names the weight groups built for the engines alive then
+(parallel/weight_sync.py). A slot is made by one engine at a time: `slot/<s>/holder` names
+it, and is cleared when the holder is lost or hands the slot over.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+KEY = "roster"
+LOCK = "roster/lock"
+
+
+@dataclass
+class RosterState:
+    engines: int  # slots = the recipe's generator.engines
+    epoch: int = 0  # bumped on every change
+    lost: list[int] = field(default_factory=list)  # engines lost (not rejoined)
+    owner: list[int] = field(default_factory=list)  # owner[s]: the engine that makes slot s
+
+    def __post_init__(self):
+        if not self.owner:
+            self.owner = list(range(self.engines))
+
+    @property
+    def live(self) -> list[int]:
+        return [e for e in range(self.engines) if e not in self.lost]
+
+    def slots_of(self, engine: int) -> list[int]:
+        return [s for s, o in enumerate(self.owner) if o == engine]
+
+    def to_json(self) -> str:
+        return json.dumps({"engines": self.engines, "epoch": self.epoch, "lost": self.lost,
+                           "owner": self.owner})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> RosterState:
+        return cls(**json.loads(text))
+
+
+def join_group_name(trainer: int, engine: int, incarnation: str) -> str:
+    """The two-rank weight group of trainer rank `trainer` with replacement `incarnation` of
+    engine `engine` (trainer/weight_members.py)."""
+    return f"wsync{trainer}/join{engine}.{incarnation}"
+
+
+class Roster:
+    """The job's roster in `store` (a job store client; use one per thread)."""
+
+    def __init__(self, store, engines: int):
+        self.store = store
+        self.engines = engines
+
+    def read(self) -> RosterState:
+        if not self.store.check([KEY]):
+            return RosterState(self.engines)
+        return RosterState.from_json(self.store.get(KEY))
+
+    def holder(self, slot: int) -> int | None:
+        """The engine making slot `slot` now; None while nobody does (its holder was lost or
+        handed it over)."""
+        key = f"slot/{slot}/holder"
+        if not self.store.check([key]):
+            return slot  # never handed over: its own engine
+        value = self.store.get(key).decode()
+        return int(value) if value else None
+
+    def take(self, slot: int, engine: int) -> bool:
+        """Become the holder of a slot nobody holds; False if somebody does."""
+        key = f"slot/{slot}/holder"
+        return self.store.compare_set(key, "", str(engine)).decode() == str(engine)
+
+    def release(self, slot: int, engine: int) -> None:
+        self.store.compare_set(f"slot/{slot}/holder", str(engine), "")
+
+    def mark_lost(self, engine: int) -> RosterState | None:
+        """Record that `engine` is lost and give its slots to the live engines with the fewest
+        slots (lowest index first). Returns the new state, or None when it was lost already
+        (another rank's watchdog said so first). With no live engine left the state has an
+        empty `live`: the caller fails the job."""
+        with self._locked():
+            state = self.read()
+            if engine in state.lost:
+                return None
+            state.lost = sorted({*state.lost, engine})
+            for s in state.slots_of(engine):
+                live = state.live
+                if live:
+                    state.owner[s] = min(live, key=lambda e: (len(state.slots_of(e)), e))
+            for s in range(self.engines):  # what the lost engine made is free to take
+                if self.holder(s) == engine:
+                    self.store.set(f"slot/{s}/holder", "")
+            for key in (f"join/{engine}", f"join/{engine}/claimed"):  # it may be replaced
+                self.store.delete_key(key)
+            state.epoch += 1
+            self.store.set(KEY, state.to_json())
+            return state
+
+    def rejoin(self, engine: int) -> RosterState:
+        """A replacement for lost `engine` joined: it is live again and owns its own slot
+        (the engine that adopted it hands it over at its next batch boundary)."""
+        with self._locked():
+            state = self.read()
+            if engine not in state.lost:
+                raise ValueError(f"engine {engine} is not lost: it cannot be replaced")
+            state.lost = [e for e in state.lost if e != engine]
+            state.owner[engine] = engine
+            state.epoch += 1
+            self.store.set(KEY, state.to_json())
+            return state
+
+    def _locked(self):
+        store = self.store
+
+        class _Lock:
+            def __enter__(self):
+                while store.add(LOCK, 1) != 1:  # a ticket: 1 means nobody else holds it
+                    store.add(LOCK, -1)
+                    time.sleep(0.01)
+
+            def __exit__(self, *exc):
+                store.add(LOCK, -1)
+
+        return _Lock()

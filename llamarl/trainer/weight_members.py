@@ -1,0 +1,74 @@
+"""Who receives trainer rank r's weight syncs when engines can be lost and replaced
+(launch/roster.py; gloo point to point, see parallel/weight_sync.py).
+
+The engines of the launch receive on the group built at start-up, wsync<r> = [trainer r, every
+generator rank]: a lost one is left out of every later sync. A replacement engine
+(`python -m llamarl.launch --join RUN_DIR`) is a new process, which cannot enter that group:
+it gets a two-rank group of its own with each trainer rank, `wsync<r>/join<e>.<n>` (engine e,
+replacement n). Every trainer rank must start sending to it at the same sync, so trainer 0
+picks that sync (its next one) and writes it in `join/<e>/<n>/sync`; every trainer rank reads
+the choice before its own sync of that number (the trainers are in lockstep: rank r cannot
+start sync i + 1 before trainer 0 has finished sync i). The replacement builds its groups as
+soon as it reads the choice, and the trainers theirs at that sync.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from llamarl.launch.roster import Roster, join_group_name
+from llamarl.launch.runtime import Runtime, log
+from llamarl.parallel.groups import make_group
+from llamarl.parallel.weight_sync import Members
+
+
+class EngineMembers(Members):
+    def __init__(self, rt: Runtime, group: dist.ProcessGroup):
+        self.rt, self.group = rt, group
+        self.roster = Roster(rt.store, rt.layout.engines)
+        gen = rt.layout.generator_global_ranks
+        self.main_rank = {e: 1 + gen.index(rt.layout.engine_global_ranks(e)[0])
+                          for e in range(rt.layout.engines)}
+        self.pairs: dict[int, tuple[str, dist.ProcessGroup]] = {}  # engine -> (n, its group)
+        self.syncs = 0  # syncs sent so far: the index of the next one
+        self._joining: set[int] = set()  # replacements that receive but are not back yet
+
+    def targets(self) -> list[tuple[int, dist.ProcessGroup, int]]:
+        """Called once per sync, in the same order on every trainer rank."""
+        i, self.syncs = self.syncs, self.syncs + 1
+        lost = set(self.roster.read().lost)
+        out, joining = [], set()
+        for e in range(self.rt.layout.engines):
+            pair = self._replacement(e, i)
+            if pair is not None:
+                out.append((e, pair, 1))
+                joining.add(e)
+            elif e not in lost:
+                out.append((e, self.group, self.main_rank[e]))
+        self._joining = joining & lost
+        return out
+
+    def lost(self) -> set[int]:
+        """Engines declared lost, except replacements already receiving (their sends must be
+        waited for like any other)."""
+        store = self.rt.store  # a replacement that died before it was back: lost again
+        return {e for e in self.roster.read().lost
+                if e not in self._joining or not store.check([f"join/{e}"])}
+
+    def _replacement(self, e: int, i: int) -> dist.ProcessGroup | None:
+        """The group of replacement engine e if it receives sync i, building it at its first."""
+        store = self.rt.store
+        if not store.check([f"join/{e}"]):
+            return None
+        n = store.get(f"join/{e}").decode()
+        key = f"join/{e}/{n}/sync"
+        if self.rt.role.index == 0:
+            store.compare_set(key, "", str(i + 1))  # trainer 0 chooses: its next sync
+        if not store.check([key]) or int(store.get(key)) > i:
+            return None
+        if self.pairs.get(e, ("",))[0] != n:
+            spec = self.rt.group_spec(join_group_name(self.rt.role.index, e, n), 0, 2)
+            self.pairs[e] = (n, make_group(spec))  # a rendezvous with the replacement
+            if self.rt.role.index == 0:
+                log(self.rt, f"sending weights to replacement engine {e} from sync {i}")
+        return self.pairs[e][1]

@@ -1,0 +1,120 @@
+"""Losing an engine is not losing the job (sync.engine_loss=continue, launch/roster.py): an
+srun-style launch (one process per rank, as Slurm starts them: no agent kills the others) of
+1 trainer + 2 engines, engine 1 SIGKILLed mid-run, then replaced with --join."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import ROOT, child_env
+
+RECIPE = "recipes/tiny_grpo_cpu.yaml"
+STEPS, KILL_AT = 60, 5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(tmp_path: Path, cache_dir, port: int, overrides: list[str]) -> list[subprocess.Popen]:
+    procs = []
+    for rank in range(3):
+        env = child_env(LLAMARL_CACHE=cache_dir, SLURM_PROCID=rank, SLURM_NTASKS=3,
+                        SLURM_NNODES=1, SLURM_LOCALID=rank, SLURM_JOB_ID=port,
+                        SLURM_JOB_NODELIST="localhost", MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=port)
+        cmd = [sys.executable, "-m", "llamarl.launch", RECIPE, f"run.output_dir={tmp_path}",
+               "trainer.ranks=1", "generator.engines=2", f"run.steps={STEPS}",
+               "run.eval_every=20", "data.eval_prompts=64", *overrides]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def _wait_for_rows(tmp_path: Path, procs, n: int) -> Path:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        runs = [p for p in tmp_path.iterdir() if p.is_dir()]
+        metrics = runs[0] / "metrics.jsonl" if runs else None
+        if metrics and metrics.exists() and len(metrics.read_text().splitlines()) >= n:
+            return metrics.parent
+        assert all(p.poll() is None for p in procs), procs[0].stdout.read()[-3000:]
+        time.sleep(0.2)
+    raise AssertionError(f"the run never reached step {n}")
+
+
+def test_a_killed_engine_is_dropped_and_a_replacement_takes_its_slot_back(tmp_path, cache_dir):
+    """Kill engine 1: engine 0 makes slot 1's batches from where engine 1 stopped. Then start
+    `python -m llamarl.launch --join RUN_DIR` as the runbook says: it gets the current
+    weights and takes slot 1 back. The run completes every step at the same batch size, the
+    evaluation goes on, and the reward still rises."""
+    procs = _launch(tmp_path, cache_dir, _free_port(), [])
+    joiner = None
+    try:
+        run = _wait_for_rows(tmp_path, procs, KILL_AT)
+        procs[2].send_signal(signal.SIGKILL)  # global rank 2 = engine 1
+        procs[2].wait()
+        time.sleep(3)  # the watchdogs declare the loss within a second or two
+        joiner = subprocess.Popen([sys.executable, "-m", "llamarl.launch", "--join", str(run)],
+                                  cwd=ROOT, env=child_env(LLAMARL_CACHE=cache_dir),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        outs = [p.communicate(timeout=600)[0] for p in (*procs[:2], joiner)]
+    finally:
+        for p in (*procs, *([joiner] if joiner else [])):
+            p.kill()
+    assert [p.returncode for p in (*procs[:2], joiner)] == [0, 0, 0], "\n".join(outs)[-6000:]
+    trainer, engine0, replacement = outs
+    out = "\n".join(outs)
+    print(*[x for x in out.splitlines() if "slot" in x or "replac" in x], sep="\n")
+    assert "rank 2 (generator 1) died" in out and "goes on with 1 of 2 engines" in out, out[-3000:]
+    assert "took over slot 1 at batch" in engine0, engine0[-3000:]
+    assert "generator 1 (rank 2), replacing the lost engine" in replacement, replacement[-3000:]
+    assert "back in the job" in replacement and "took over slot 1 at batch" in replacement
+    assert "handed slot 1 back at batch" in engine0
+    assert "sending weights to replacement engine 1" in trainer
+
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    # every step trained both slots' groups, on-policy: the batch never changed size
+    assert all(sorted(r["behaviour_version_by_engine"]) == ["0", "1"] for r in rows), rows
+    assert all(r["policy_version"] - 1 == min(r["behaviour_version_by_engine"].values())
+               for r in rows)
+    live = [r["engines_live"] for r in rows]
+    assert live[0] == 2 and 1 in live and live[-1] == 2, live
+    evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
+    assert evals[-1]["step"] == STEPS and evals[-1]["prompts"] == 64, evals
+    assert evals[-1]["reward_mean"] > evals[0]["reward_mean"] + 0.05, evals
+    run_id = run.name.split("-", 2)[-1]
+    assert not list(Path("/dev/shm").glob(f"llamarl_{run_id}*"))
+
+
+def test_with_engine_loss_stop_a_killed_engine_stops_the_job(tmp_path, cache_dir):
+    procs = _launch(tmp_path, cache_dir, _free_port(), ["sync.engine_loss=stop",
+                                                        "run.steps=100000"])
+    try:
+        _wait_for_rows(tmp_path, procs, 2)
+        procs[2].send_signal(signal.SIGKILL)
+        outs = [p.communicate(timeout=90)[0] for p in procs[:2]]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode != 0 for p in procs[:2])
+    assert "rank 2 (generator 1) died" in "\n".join(outs)
+
+
+
+def test_join_names_what_is_wrong_in_one_line(tmp_path):
+    for run_dir, what in ((tmp_path, "not a run directory of a running job"),):
+        proc = subprocess.run([sys.executable, "-m", "llamarl.launch", "--join", str(run_dir)],
+                              cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 2 and what in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr

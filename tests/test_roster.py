@@ -1,0 +1,120 @@
+"""The roster of live engines and slot owners (launch/roster.py) on a real TCPStore, and the
+watchdog's excuse for a lost engine (the job goes on) against its failure for a lost trainer."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from llamarl.config import load_config
+from llamarl.launch.layout import compute_layout
+from llamarl.launch.roster import Roster
+from llamarl.launch.runtime import engine_loss_excuse, free_port, survives_engine_loss
+
+
+@pytest.fixture
+def store():
+    return dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=10))
+
+
+def test_a_lost_engines_slots_go_to_the_least_loaded_live_engines(store):
+    roster = Roster(store, 4)
+    assert roster.read().owner == [0, 1, 2, 3] and roster.read().live == [0, 1, 2, 3]
+    state = roster.mark_lost(2)
+    assert state.lost == [2] and state.owner == [0, 1, 0, 3] and state.epoch == 1
+    assert roster.mark_lost(2) is None  # declared once, whoever sees it first
+    state = roster.mark_lost(0)  # slots 0 and 2 go to 1 and 3, one each
+    assert state.owner == [1, 1, 3, 3] and state.live == [1, 3] and state.epoch == 2
+    assert roster.read().to_json() == state.to_json()
+
+
+def test_a_lost_holder_lets_go_and_one_engine_takes_the_slot(store):
+    roster = Roster(store, 2)
+    assert roster.holder(1) == 1  # never handed over
+    roster.mark_lost(1)
+    assert roster.holder(1) is None
+    assert roster.take(1, 0) and not roster.take(1, 1)
+    assert roster.holder(1) == 0
+    state = roster.rejoin(1)  # a replacement: its slot comes back once 0 lets go
+    assert state.owner == [0, 1] and state.lost == [] and roster.holder(1) == 0
+    roster.release(1, 0)
+    assert roster.holder(1) is None and roster.take(1, 1)
+    with pytest.raises(ValueError, match="not lost"):
+        roster.rejoin(1)
+
+
+def test_concurrent_declarations_assign_once(store):
+    """Every rank's watchdog may see the same death; the store lock makes one assignment."""
+    host, port = "127.0.0.1", store.port
+    results = []
+
+    def declare(engine):
+        client = dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=10))
+        results.append(Roster(client, 3).mark_lost(engine))
+
+    threads = [threading.Thread(target=declare, args=(e,)) for e in (1, 1, 2, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(r is not None for r in results) == 2
+    state = Roster(store, 3).read()
+    assert state.owner == [0, 0, 0] and state.lost == [1, 2] and state.epoch == 2
+
+
+def _cfg(*overrides):
+    return load_config("recipes/tiny_grpo_cpu.yaml", ["generator.engines=2",
+                                                      "generator.prompts_per_step=64", *overrides])
+
+
+def test_which_jobs_survive_an_engine_loss():
+    cpu = torch.device("cpu")
+    layout = compute_layout(4, 4, 2, 2, 1)
+    assert survives_engine_loss(_cfg(), layout, cpu)
+    assert not survives_engine_loss(_cfg("sync.engine_loss=stop"), layout, cpu)
+    assert not survives_engine_loss(_cfg("generator.mode=continuous", "sync.max_staleness=1"),
+                                    layout, cpu)
+    assert not survives_engine_loss(_cfg(), layout, torch.device("cuda", 0))  # NCCL broadcast
+    assert not survives_engine_loss(_cfg("generator.engines=1"), compute_layout(3, 3, 2, 1, 1),
+                                    cpu)
+
+
+def test_the_excuse_drops_a_generator_but_never_a_trainer_or_the_last_engine(store, capsys):
+    layout = compute_layout(4, 4, 2, 2, 1)  # ranks 0-1 trainers, 2-3 engines 0-1
+    excuse = engine_loss_excuse(_cfg(), layout, torch.device("cpu"))
+    assert not excuse(store, 0, "rank 0 (trainer 0) died")
+    assert excuse(store, 3, "rank 3 (generator 1) died (process 7 is gone)")
+    assert store.get("done/3") == b"lost"
+    err = capsys.readouterr().err
+    assert "the job goes on with 1 of 2 engines" in err and "generator 0 makes slot 1" in err
+    assert excuse(store, 3, "again")  # already declared: nothing more to say
+    assert capsys.readouterr().err == ""
+    assert not excuse(store, 2, "rank 2 (generator 0) died")  # the last engine
+
+
+def test_join_claims_a_lost_engine_once(store, tmp_path):
+    """plan_join (python -m llamarl.launch --join RUN_DIR) against a job store: the first lost
+    engine's rank, claimed once; with none lost, a one-line error."""
+    import json
+    import shutil
+
+    from llamarl.launch.join import plan_join
+
+    (tmp_path / "store.json").write_text(json.dumps(
+        {"addr": "127.0.0.1", "port": store.port, "restart": 0, "launcher": "slurm",
+         "job": ""}))
+    (tmp_path / "layout.json").write_text(json.dumps(
+        {"world_size": 4, "trainer_ranks": 2, "engines": 2, "tp": 1, "ranks_per_node": 4}))
+    shutil.copy("recipes/tiny_grpo_cpu.yaml", tmp_path / "recipe.yaml")
+    overrides = ["generator.engines=2"]
+    with pytest.raises(ValueError, match="no engine of this job is lost"):
+        plan_join(str(tmp_path), overrides)
+    Roster(dist.PrefixStore("llamarl/0", store), 2).mark_lost(1)
+    cfg, layout, env, incarnation = plan_join(str(tmp_path), overrides)
+    assert env.rank == 3 and layout.role_of(3).index == 1 and incarnation
+    with pytest.raises(ValueError, match="being replaced already"):
+        plan_join(str(tmp_path), overrides)
