@@ -184,3 +184,69 @@ def test_a_trainer_that_quits_after_its_last_sync_is_no_error_until_another_is_a
             receiver.post()  # another sync announced after all: now it is an error
     finally:
         trainer.kill()
+
+
+_DYING_RECEIVER = """
+import os, sys, torch.distributed as dist
+from datetime import timedelta
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), None, False, timeout=timedelta(seconds=30))
+dist.ProcessGroupGloo(dist.PrefixStore("wsync0", store), 2, 3, timedelta(seconds=30))
+os._exit(9)  # an engine killed after the group was built
+"""
+
+
+class _Members(weight_sync.Members):
+    """Receivers 1 and 2 of the group; 2 is declared lost once `lost_now` is set."""
+
+    def __init__(self, group):
+        super().__init__(lambda: group)
+        self.lost_now = threading.Event()
+
+    def lost(self) -> set[int]:
+        return {2} if self.lost_now.is_set() else set()
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["declared-lost", "never-declared"])
+def test_a_dead_receiver_is_left_out_once_it_is_declared_lost(declared):
+    """A sync to a receiver whose process died (gloo: the send fails) completes for the
+    others and is forgiven once the roster declares it lost; a failure nobody explains within
+    the grace is an error, not a hang."""
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=30),
+                           wait_for_workers=False)
+    dying = subprocess.Popen([sys.executable, "-c", _DYING_RECEIVER, str(server.port)])
+    groups = [None, None]
+
+    def join(rank: int) -> None:
+        store = server if rank == 0 else dist.TCPStore(
+            "127.0.0.1", server.port, None, False, timeout=timedelta(seconds=30))
+        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("wsync0", store), rank, 3,
+                                             timedelta(seconds=30))
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert dying.wait(60) == 9
+    root, engine = groups
+    model, _ = build_model(0)
+    members = _Members(root)
+    sender = WeightSender(model, 0, 64, root, torch.device("cpu"), members=members,
+                          lost_grace_s=1.0)
+    if declared:
+        threading.Timer(0.3, members.lost_now.set).start()  # the watchdog's word, later
+    sender.publish(model, version=None)
+    bufs = [torch.empty(b.numel, dtype=_DTYPES[b.dtype]) for b in sender.buckets]
+    for w in [post_from_root(engine, buf, i, True) for i, buf in enumerate(bufs)]:
+        w.wait()  # receiver 1 gets the whole sync
+    t0 = time.monotonic()
+    if declared:
+        sender.wait()
+        sender.publish(model, version=None)  # the next sync leaves receiver 2 out at once
+        for w in [post_from_root(engine, buf, i, True) for i, buf in enumerate(bufs)]:
+            w.wait()
+        sender.wait()
+    else:
+        with pytest.raises(RuntimeError, match="weight broadcast failed"):
+            sender.wait()
+    assert time.monotonic() - t0 < 10
