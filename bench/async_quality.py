@@ -48,9 +48,9 @@ CORRECTIONS = {"none": "PPO-clipped ratio to the behaviour policy", "tis": "trun
 
 
 def run(k: int, seed: int, correction: str, steps: int, eval_every: int,
-        extra: list[str], mode: str = "batch") -> dict:
+        extra: list[str], mode: str = "batch", recipe: str = RECIPE) -> dict:
     out = Path(tempfile.mkdtemp(prefix=f"llamarl-quality-k{k}-s{seed}-"))
-    args = [RECIPE, f"run.steps={steps}", f"run.eval_every={eval_every}", f"run.seed={seed}",
+    args = [recipe, f"run.steps={steps}", f"run.eval_every={eval_every}", f"run.seed={seed}",
             f"sync.max_staleness={k}", f"run.output_dir={out}", *extra]
     if k > 0:
         args.append(f"algorithm.correction={correction}")
@@ -158,6 +158,8 @@ def plot(results: list[dict], label: str, path: Path) -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--recipe", default=RECIPE, help="e.g. recipes/tiny_tool_cpu.yaml "
+                    "(multi-turn); every run uses it")
     ap.add_argument("--steps", type=int, default=250)
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--lr", type=float, default=3e-4, help="trainer.lr of every run")
@@ -188,7 +190,8 @@ def main() -> None:
     else:
         extra = [f"trainer.lr={args.lr}",
                  f"data.eval_samples_per_prompt={args.eval_samples}", *args.overrides]
-        results = [run(k, s, args.correction, args.steps, args.eval_every, extra, mode)
+        results = [run(k, s, args.correction, args.steps, args.eval_every, extra, mode,
+                       args.recipe)
                    for s in args.seeds for k in args.ks
                    for mode in (args.modes if k > 0 else ["batch"])]
     with open(out / "async_quality.csv", "w", newline="") as f:

@@ -105,3 +105,25 @@ def test_multi_turn_episodes_generate_continuously(tmp_path, cache_dir):
     assert any(r["tool_calls_per_episode"] > 0 for r in rows)
     evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [0, 2, 4]
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_in_continuous_mode(tmp_path, cache_dir):
+    """generator.dynamic_sampling with continuous generation: at T = 0.05 a group's 8 samples
+    are nearly always identical, so most groups finish uninformative and are dropped as they
+    finish (ds_dropped_groups), the batch waits for later ones, and after
+    max_sampling_rounds batches' worth of dropped groups the rest fill it (ds_filled_groups),
+    so the run never stalls."""
+    proc = torchrun(3, ["-m", "llamarl.launch", RECIPE, "run.steps=4", *CONTINUOUS,
+                        "algorithm.correction=aipo", "generator.temperature=0.05",
+                        "generator.dynamic_sampling=true", "generator.max_sampling_rounds=2",
+                        "generator.prompts_per_step=8", "data.eval_prompts=16",
+                        "run.eval_every=0", f"run.output_dir={tmp_path}"],
+                    timeout=900, LLAMARL_CACHE=cache_dir)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    _, rows = metrics_of(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert sum(r["ds_dropped_groups"] for r in rows) > 0, rows
+    # per batch at most max_sampling_rounds x (prompts_per_step / engines) dropped
+    assert all(0 <= r["ds_dropped_groups"] <= 2 * 8 for r in rows), rows
+    assert all(r["staleness_max"] <= 2 and r["dropped_stale"] == 0 for r in rows)

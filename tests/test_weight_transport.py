@@ -24,18 +24,20 @@ from llamarl.parallel.weight_sync import _DTYPES, WeightReceiver, WeightSender
 from llamarl.tiny.model import build_model
 
 
-@pytest.fixture
-def gloo_pair():
-    """Two ranks of one gloo group, built in two threads (construction is a rendezvous), each
-    with its own store client."""
-    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=30),
-                           wait_for_workers=False)
+def _store_server() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=30),
+                         wait_for_workers=False)
+
+
+def _gloo_ranks(server: dist.TCPStore, size: int) -> list[dist.ProcessGroup]:
+    """Ranks 0 and 1 of a gloo group of `size`, built in two threads (construction is a
+    rendezvous), each with its own store client; other ranks join from elsewhere."""
     groups = [None, None]
 
     def join(rank: int) -> None:
         store = server if rank == 0 else dist.TCPStore(
             "127.0.0.1", server.port, None, False, timeout=timedelta(seconds=30))
-        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("wsync0", store), rank, 2,
+        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("wsync0", store), rank, size,
                                              timedelta(seconds=30))
 
     threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
@@ -45,6 +47,12 @@ def gloo_pair():
         t.join(60)
     assert all(g is not None for g in groups)
     return groups
+
+
+@pytest.fixture
+def gloo_pair():
+    """Two ranks of one gloo group."""
+    return _gloo_ranks(_store_server(), 2)
 
 
 def test_messages_pair_by_tag_whatever_the_posting_order(gloo_pair):
@@ -211,24 +219,10 @@ def test_a_dead_receiver_is_left_out_once_it_is_declared_lost(declared):
     """A sync to a receiver whose process died (gloo: the send fails) completes for the
     others and is forgiven once the roster declares it lost; a failure nobody explains within
     the grace is an error, not a hang."""
-    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=30),
-                           wait_for_workers=False)
+    server = _store_server()
     dying = subprocess.Popen([sys.executable, "-c", _DYING_RECEIVER, str(server.port)])
-    groups = [None, None]
-
-    def join(rank: int) -> None:
-        store = server if rank == 0 else dist.TCPStore(
-            "127.0.0.1", server.port, None, False, timeout=timedelta(seconds=30))
-        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("wsync0", store), rank, 3,
-                                             timedelta(seconds=30))
-
-    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    root, engine = _gloo_ranks(server, 3)
     assert dying.wait(60) == 9
-    root, engine = groups
     model, _ = build_model(0)
     members = _Members(root)
     sender = WeightSender(model, 0, 64, root, torch.device("cpu"), members=members,
