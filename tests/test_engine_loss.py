@@ -24,15 +24,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(tmp_path: Path, cache_dir, port: int, overrides: list[str]) -> list[subprocess.Popen]:
-    procs = []
-    for rank in range(3):
-        env = child_env(LLAMARL_CACHE=cache_dir, SLURM_PROCID=rank, SLURM_NTASKS=3,
-                        SLURM_NNODES=1, SLURM_LOCALID=rank, SLURM_JOB_ID=port,
-                        SLURM_JOB_NODELIST="localhost", MASTER_ADDR="127.0.0.1",
-                        MASTER_PORT=port)
+def _launch(tmp_path: Path, cache_dir, port: int, overrides: list[str], engines: int = 2,
+            nodes: int = 1) -> list[subprocess.Popen]:
+    procs, ranks = [], 1 + engines
+    for rank in range(ranks):
+        env = child_env(LLAMARL_CACHE=cache_dir, SLURM_PROCID=rank, SLURM_NTASKS=ranks,
+                        SLURM_NNODES=nodes, SLURM_LOCALID=rank % (ranks // nodes),
+                        SLURM_JOB_ID=port, SLURM_JOB_NODELIST="localhost",
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         cmd = [sys.executable, "-m", "llamarl.launch", RECIPE, f"run.output_dir={tmp_path}",
-               "trainer.ranks=1", "generator.engines=2", f"run.steps={STEPS}",
+               "trainer.ranks=1", f"generator.engines={engines}", f"run.steps={STEPS}",
                "run.eval_every=20", "data.eval_prompts=64", *overrides]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
@@ -94,6 +95,56 @@ def test_a_killed_engine_is_dropped_and_a_replacement_takes_its_slot_back(tmp_pa
     assert evals[-1]["reward_mean"] > evals[0]["reward_mean"] + 0.05, evals
     run_id = run.name.split("-", 2)[-1]
     assert not list(Path("/dev/shm").glob(f"llamarl_{run_id}*"))
+
+
+def test_a_lost_node_with_cross_host_channels(tmp_path, cache_dir):
+    """Two nodes as the layout sees them (srun-style, 2 tasks per node): node 0 = trainer 0
+    and engine 0, node 1 = engines 1 and 2, whose batches cross hosts (dist_channel.py).
+    Engine 2 is frozen (SIGSTOP: no process exit, no closed socket, as when a node drops off
+    the network) until its heartbeat is missed; engine 0 takes slot 2 over through the
+    cross-host channel protocol; a replacement joins and takes it back."""
+    procs = _launch(tmp_path, cache_dir, _free_port(),
+                    ["generator.prompts_per_step=48", "sync.dead_peer_s=5"], engines=3, nodes=2)
+    joiner = None
+    try:
+        run = _wait_for_rows(tmp_path, procs, KILL_AT)
+        procs[3].send_signal(signal.SIGSTOP)  # global rank 3 = engine 2, on "node 1"
+        _wait_for_loss(run, procs[:3], 3)
+        procs[3].kill()
+        procs[3].wait()
+        joiner = subprocess.Popen([sys.executable, "-m", "llamarl.launch", "--join", str(run)],
+                                  cwd=ROOT, env=child_env(LLAMARL_CACHE=cache_dir),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        outs = [p.communicate(timeout=600)[0] for p in (*procs[:3], joiner)]
+    finally:
+        for p in (*procs, *([joiner] if joiner else [])):
+            p.kill()
+    assert [p.returncode for p in (*procs[:3], joiner)] == [0] * 4, "\n".join(outs)[-6000:]
+    out = "\n".join(outs)
+    print(*[x for x in out.splitlines() if "slot" in x or "replac" in x or "died" in x
+            or "dead" in x], sep="\n")
+    assert "rank 3 (generator 2) is dead (no heartbeat" in out, out[-3000:]
+    assert "took over slot 2 at batch" in outs[1] and "handed slot 2 back" in outs[1]
+    assert "took over slot 2 at batch" in outs[3], outs[3][-3000:]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert all(sorted(r["behaviour_version_by_engine"]) == ["0", "1", "2"] for r in rows), rows
+    assert all(r["policy_version"] - 1 == min(r["behaviour_version_by_engine"].values())
+               for r in rows)
+    live = [r["engines_live"] for r in rows]
+    assert live[0] == 3 and 2 in live and live[-1] == 3, live
+
+
+def _wait_for_loss(run: Path, procs, engines: int, timeout: float = 120.0) -> None:
+    """Until metrics.jsonl counts fewer live engines than `engines`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rows = (run / "metrics.jsonl").read_text().splitlines()
+        if rows and json.loads(rows[-1]).get("engines_live", engines) < engines:
+            return
+        assert all(p.poll() is None for p in procs)
+        time.sleep(0.5)
+    raise AssertionError("the loss was never declared")
 
 
 def test_with_engine_loss_stop_a_killed_engine_stops_the_job(tmp_path, cache_dir):

@@ -68,13 +68,15 @@ class Channel:
         done = len(self._unacked) - (self._seq - self._acked())
         del self._unacked[:max(done, 0)]
 
-    def adopt(self) -> int:
-        """Producer side, taking over a channel whose producer was lost (launch/roster.py):
-        continue its numbering after every batch it published. Its published batches stay
-        to be consumed (their payload must outlive it: shared memory does). Returns how many
-        batches the channel has carried."""
+    def adopt(self) -> int | None:
+        """Producer side, taking over a channel whose producer was lost or let go
+        (launch/roster.py): continue its numbering. Shared memory outlives its writer, so
+        every batch published stays to be consumed and the numbering continues after them.
+        A transport whose payload dies with its producer asks the consumer (resumed(), see
+        dist_channel.py). Returns how many batches the channel has carried, or None until
+        that is known."""
         if not self.payload_outlives_producer:
-            raise RuntimeError(f"{self.channel}: a {self.transport} channel cannot be taken over")
+            return self.resumed()
         acked = self._acked()
         self._seq = acked + self.store.queue_len(self.queue_key)
         self._unacked = [self._handle(seq) for seq in range(acked, self._seq)]
@@ -125,13 +127,20 @@ class Channel:
 
     payload_outlives_producer = False  # see adopt
 
+    def resumed(self) -> int | None:
+        """adopt() of a transport whose payload dies with its producer."""
+        raise NotImplementedError
+
     def _handle(self, seq: int):
         """The release handle of batch `seq` (adopt), as _send returned it."""
         raise NotImplementedError
 
 
-def open_channel(rt, engine: int, trainer: int, side: str) -> Channel:
-    """The channel engine -> trainer rank, from either side ("producer" | "consumer")."""
+def open_channel(rt, engine: int, trainer: int, side: str,
+                 takeover: str | None = None) -> Channel:
+    """The channel engine -> trainer rank, from either side ("producer" | "consumer").
+    `takeover`: a producer continuing the channel of a lost one (unique name; see adopt and
+    dist_channel.py)."""
     from llamarl.buffer.dist_channel import DistChannel
     from llamarl.buffer.shm import ShmChannel
 
@@ -140,4 +149,9 @@ def open_channel(rt, engine: int, trainer: int, side: str) -> Channel:
     consumer = rt.layout.trainer_global_ranks[trainer]
     if rt.layout.node_of(producer) == rt.layout.node_of(consumer):
         return ShmChannel(rt.store, rt.run_id, name, rt.cfg.buffer.capacity, rt.watchdog.check)
-    return DistChannel(rt, name, side, rt.cfg.buffer.capacity)
+    from llamarl.launch.runtime import survives_engine_loss
+
+    # the consumer follows takeovers when engines can be lost (dist_channel.py)
+    follow = side == "consumer" and survives_engine_loss(rt.cfg, rt.layout, rt.device)
+    return DistChannel(rt, name, side, rt.cfg.buffer.capacity, follow=follow,
+                       takeover=takeover)

@@ -192,7 +192,7 @@ def run_generator(rt: Runtime) -> None:
                     episodes.close()
         while g.mode == "batch":
             slots.refresh()  # slots taken over from a lost engine, or handed back
-            if not slots.slots:  # a replacement whose slot is not handed back yet
+            if not slots.ready():  # a replacement whose slot is not handed back yet
                 if weights.follow(need=1 << 62, interrupt=slots.changed) is False:
                     break
                 continue

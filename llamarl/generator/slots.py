@@ -14,6 +14,8 @@ to the others, whole groups each, so no prompt group is trained twice.
 from __future__ import annotations
 
 import json
+import secrets
+import time
 from dataclasses import dataclass, field
 
 from llamarl.buffer.channel import Channel, open_channel
@@ -31,7 +33,7 @@ class Slot:
     loader: PromptLoader
     held_out: list  # this slot's held-out prompts, encoded
     channels: list[Channel]  # to trainer rank t; empty on a non-leader rank
-    next_batch: int
+    next_batch: int | None  # None while a takeover waits for its trainer ranks' word
     skip: set[int] = field(default_factory=set)  # trainer ranks that have next_batch already
 
 
@@ -63,12 +65,12 @@ class SlotSet:
     def per_slot(self) -> int:
         return self.rt.cfg.generator.prompts_per_step // self.rt.layout.engines
 
-    def _slot(self, s: int, next_batch: int) -> Slot:
+    def _slot(self, s: int, next_batch: int | None, takeover: str | None = None) -> Slot:
         cfg, engines = self.rt.cfg, self.rt.layout.engines
         train = self.fmt.encode(shard(self.data.train, s, engines))
         held_out = self.fmt.encode(self.data.held_out[s::engines])
         self.check(train + held_out)
-        channels = ([open_channel(self.rt, s, t, "producer")
+        channels = ([open_channel(self.rt, s, t, "producer", takeover)
                      for t in range(self.rt.layout.trainer_ranks)]
                     if self.rt.role.is_engine_leader else [])
         self.rt.watchdog.cleanups.extend(ch.close for ch in channels)
@@ -81,32 +83,46 @@ class SlotSet:
         go) and hand back those it no longer gives it (a replacement engine joined)."""
         if not self.keep_states:
             return
+        for slot in self.slots.values():
+            if slot.next_batch is None:  # a takeover: has every trainer rank answered?
+                self._resolve(slot)
         state = self.roster.read()
         mine = set(state.slots_of(self.me))
         if state.epoch == self.epoch and mine == set(self.slots):
             return
         self.epoch = state.epoch
         for s in [s for s in self.slots if s not in mine]:
-            # its published batches stay until consumed; the next holder releases what
-            # is left at the end (Channel.adopt)
             slot = self.slots.pop(s)
+            for ch in slot.channels:
+                # Shared memory: its published batches stay until consumed, and the next
+                # holder releases what is left at the end (Channel.adopt). A payload that
+                # lives in this process is received before the slot is let go.
+                while not ch.payload_outlives_producer and ch.unconsumed() > 0:
+                    self.rt.watchdog.check()
+                    time.sleep(0.01)
             self.roster.release(s, self.me)
             log(self.rt, f"handed slot {s} back at batch {slot.next_batch}")
         for s in sorted(mine - set(self.slots)):
             if self.roster.take(s, self.me):
-                self.slots[s] = self._adopt(s)
+                self.slots[s] = self._slot(s, None, takeover=f"{self.me}.{secrets.token_hex(3)}")
+                self._resolve(self.slots[s])
 
     def changed(self) -> bool:
         """Whether `refresh` has something to do (read while waiting for weights)."""
         if not self.keep_states:
             return False
         state = self.roster.read()
-        return state.epoch != self.epoch or set(state.slots_of(self.me)) != set(self.slots)
+        if state.epoch != self.epoch or set(state.slots_of(self.me)) != set(self.slots):
+            return True
+        return any(sl.next_batch is None and all(ch.adopt() is not None for ch in sl.channels)
+                   for sl in self.slots.values())
 
-    def _adopt(self, s: int) -> Slot:
-        slot = self._slot(s, next_batch=0)
+    def _resolve(self, slot: Slot) -> None:
+        """A slot taken over: its next batch, once every channel knows where it stands."""
         carried = [ch.adopt() for ch in slot.channels]  # batches each trainer rank has
-        n = min(carried)
+        if any(c is None for c in carried):
+            return  # a trainer rank has not answered yet (dist_channel.py)
+        s, n = slot.index, min(carried)
         slot.next_batch = self.first_batch + n
         slot.skip = {t for t, c in enumerate(carried) if c > n}
         if slot.next_batch > self.first_batch:
@@ -119,11 +135,15 @@ class SlotSet:
         log(self.rt, f"took over slot {s} at batch {slot.next_batch}"
                      + (f" (trainer ranks {sorted(slot.skip)} have it already)"
                         if slot.skip else ""))
-        return slot
+
+    def ready(self) -> bool:
+        """Whether some slot's next batch is known (a takeover may still wait)."""
+        return any(sl.next_batch is not None for sl in self.slots.values())
 
     def next(self) -> Slot:
         """The slot whose next batch is needed first."""
-        return min(self.slots.values(), key=lambda sl: (sl.next_batch, sl.index))
+        return min((sl for sl in self.slots.values() if sl.next_batch is not None),
+                   key=lambda sl: (sl.next_batch, sl.index))
 
     def queued(self) -> bool:
         """A batch of this engine still waits for the trainer."""

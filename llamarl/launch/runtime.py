@@ -142,13 +142,10 @@ def setup(cfg: Config, layout: Layout, env: DistEnv, joining: str = "") -> Runti
 def survives_engine_loss(cfg: Config, layout: Layout, device: torch.device) -> bool:
     """Whether the job goes on when an engine is lost (sync.engine_loss, docs/operations.md):
     another engine must be left, each engine one rank (tp 1), batch generation (slots change
-    hands at batch boundaries), gloo weight groups, whose point-to-point sends can leave a
-    member out (an NCCL broadcast cannot), and rollouts in shared memory, which outlives its
-    writer (every engine on the node of every trainer rank)."""
-    nodes = {layout.node_of(r) for r in range(layout.world_size)}
+    hands at batch boundaries), and gloo weight groups, whose point-to-point sends can leave a
+    member out (an NCCL broadcast cannot)."""
     return (cfg.sync.engine_loss == "continue" and layout.engines >= 2 and layout.tp == 1
-            and cfg.generator.mode == "batch" and default_backend(device) == "gloo"
-            and len(nodes) == 1)
+            and cfg.generator.mode == "batch" and default_backend(device) == "gloo")
 
 
 def engine_loss_excuse(cfg: Config, layout: Layout, device: torch.device):
