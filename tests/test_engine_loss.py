@@ -52,26 +52,39 @@ def _wait_for_rows(tmp_path: Path, procs, n: int) -> Path:
     raise AssertionError(f"the run never reached step {n}")
 
 
+def _lose_and_replace(procs, tmp_path: Path, cache_dir, lose) -> tuple[Path, list[str]]:
+    """At step KILL_AT `lose(run)` the last rank (an engine), then start a replacement with
+    --join; returns the run directory and the outputs of the other ranks and the replacement,
+    after checking that they all finished well."""
+    joiner = None
+    try:
+        run = _wait_for_rows(tmp_path, procs, KILL_AT)
+        lose(run)
+        joiner = subprocess.Popen([sys.executable, "-m", "llamarl.launch", "--join", str(run)],
+                                  cwd=ROOT, env=child_env(LLAMARL_CACHE=cache_dir),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        finishing = (*procs[:-1], joiner)
+        outs = [p.communicate(timeout=600)[0] for p in finishing]
+    finally:
+        for p in (*procs, *([joiner] if joiner else [])):
+            p.kill()
+    assert [p.returncode for p in finishing] == [0] * len(finishing), "\n".join(outs)[-6000:]
+    return run, outs
+
+
 def test_a_killed_engine_is_dropped_and_a_replacement_takes_its_slot_back(tmp_path, cache_dir):
     """Kill engine 1: engine 0 makes slot 1's batches from where engine 1 stopped. Then start
     `python -m llamarl.launch --join RUN_DIR` as the runbook says: it gets the current
     weights and takes slot 1 back. The run completes every step at the same batch size, the
     evaluation goes on, and the reward still rises."""
     procs = _launch(tmp_path, cache_dir, _free_port(), [])
-    joiner = None
-    try:
-        run = _wait_for_rows(tmp_path, procs, KILL_AT)
+
+    def lose(run: Path) -> None:
         procs[2].send_signal(signal.SIGKILL)  # global rank 2 = engine 1
         procs[2].wait()
         time.sleep(3)  # the watchdogs declare the loss within a second or two
-        joiner = subprocess.Popen([sys.executable, "-m", "llamarl.launch", "--join", str(run)],
-                                  cwd=ROOT, env=child_env(LLAMARL_CACHE=cache_dir),
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        outs = [p.communicate(timeout=600)[0] for p in (*procs[:2], joiner)]
-    finally:
-        for p in (*procs, *([joiner] if joiner else [])):
-            p.kill()
-    assert [p.returncode for p in (*procs[:2], joiner)] == [0, 0, 0], "\n".join(outs)[-6000:]
+
+    run, outs = _lose_and_replace(procs, tmp_path, cache_dir, lose)
     trainer, engine0, replacement = outs
     out = "\n".join(outs)
     print(*[x for x in out.splitlines() if "slot" in x or "replac" in x], sep="\n")
@@ -105,21 +118,14 @@ def test_a_lost_node_with_cross_host_channels(tmp_path, cache_dir):
     cross-host channel protocol; a replacement joins and takes it back."""
     procs = _launch(tmp_path, cache_dir, _free_port(),
                     ["generator.prompts_per_step=48", "sync.dead_peer_s=5"], engines=3, nodes=2)
-    joiner = None
-    try:
-        run = _wait_for_rows(tmp_path, procs, KILL_AT)
+
+    def lose(run: Path) -> None:
         procs[3].send_signal(signal.SIGSTOP)  # global rank 3 = engine 2, on "node 1"
         _wait_for_loss(run, procs[:3], 3)
         procs[3].kill()
         procs[3].wait()
-        joiner = subprocess.Popen([sys.executable, "-m", "llamarl.launch", "--join", str(run)],
-                                  cwd=ROOT, env=child_env(LLAMARL_CACHE=cache_dir),
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        outs = [p.communicate(timeout=600)[0] for p in (*procs[:3], joiner)]
-    finally:
-        for p in (*procs, *([joiner] if joiner else [])):
-            p.kill()
-    assert [p.returncode for p in (*procs[:3], joiner)] == [0] * 4, "\n".join(outs)[-6000:]
+
+    run, outs = _lose_and_replace(procs, tmp_path, cache_dir, lose)
     out = "\n".join(outs)
     print(*[x for x in out.splitlines() if "slot" in x or "replac" in x or "died" in x
             or "dead" in x], sep="\n")

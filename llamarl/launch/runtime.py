@@ -166,8 +166,7 @@ def engine_loss_excuse(cfg: Config, layout: Layout, device: torch.device):
         if not state.live:
             return False  # the last engine: the job cannot go on
         store.set(f"done/{rank}", "lost")
-        moved = [s for s in range(layout.engines) if s == role.index
-                 or state.owner[s] != s]
+        moved = [s for s in range(layout.engines) if state.owner[s] != s]  # made by others
         print(f"llamarl: {cause}: the job goes on with {len(state.live)} of {layout.engines} "
               f"engines; "
               + ", ".join(f"generator {state.owner[s]} makes slot {s}" for s in moved)
