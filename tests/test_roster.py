@@ -4,6 +4,7 @@ watchdog's excuse for a lost engine (the job goes on) against its failure for a 
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -118,3 +119,16 @@ def test_join_claims_a_lost_engine_once(store, tmp_path):
     assert env.rank == 3 and layout.role_of(3).index == 1 and incarnation
     with pytest.raises(ValueError, match="being replaced already"):
         plan_join(str(tmp_path), overrides)
+
+
+def test_a_lock_left_by_a_dead_holder_is_broken(store):
+    """A rank killed while it held the roster lock must not stop every later change."""
+    from llamarl.launch.roster import LOCK
+
+    store.add(LOCK, 1)  # taken, never given back
+    roster = Roster(store, 2)
+    t0 = time.monotonic()
+    with roster._locked(stale_s=0.3):
+        pass
+    assert 0.3 <= time.monotonic() - t0 < 5
+    assert roster.mark_lost(1).lost == [1]

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 KEY = "roster"
 LOCK = "roster/lock"
+LOCK_STALE_S = 10.0  # a roster lock held this long belongs to a process that died holding it
 
 
 @dataclass
@@ -123,13 +124,20 @@ class Roster:
             self.store.set(KEY, state.to_json())
             return state
 
-    def _locked(self):
+    def _locked(self, stale_s: float = LOCK_STALE_S):
+        """The roster's store lock. Its holders change a few keys and let go within
+        milliseconds; one killed while holding it (kill -9 of the rank whose watchdog was
+        declaring a loss) would hold it forever, so a lock held `stale_s` is broken."""
         store = self.store
 
         class _Lock:
             def __enter__(self):
+                since = time.monotonic()
                 while store.add(LOCK, 1) != 1:  # a ticket: 1 means nobody else holds it
                     store.add(LOCK, -1)
+                    if time.monotonic() - since > stale_s:
+                        store.set(LOCK, "0")  # its holder is gone: break it
+                        since = time.monotonic()
                     time.sleep(0.01)
 
             def __exit__(self, *exc):
