@@ -108,6 +108,7 @@ def join_as_replacement(rt: Runtime, engine: Engine) -> int:
     two-rank group with each trainer rank for it. Returns that sync's number."""
     e, n, trainers = rt.role.index, rt.joining, range(rt.layout.trainer_ranks)
     rt.store.set(f"join/{e}", n)
+    Roster(rt.store, rt.layout.engines).note_change()  # the trainers look again
     first = int(rt.wait_key(f"join/{e}/{n}/sync"))
     engine.join_weight_group([rt.group_spec(join_group_name(r, e, n), 1, 2) for r in trainers],
                              [rt.wait_key(f"wsync/meta/{r}") for r in trainers],

@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 
 KEY = "roster"
 LOCK = "roster/lock"
+# bumped by every roster change and every replacement's request to join: a reader on a hot
+# path (each weight sync) caches what it read and reads again only when this moved
+CHANGES = "roster/changes"
 LOCK_STALE_S = 10.0  # a roster lock held this long belongs to a process that died holding it
 
 
@@ -71,6 +74,15 @@ class Roster:
             return RosterState(self.engines)
         return RosterState.from_json(self.store.get(KEY))
 
+    def changes(self) -> int:
+        """How many times the roster or the join requests changed (one store round trip)."""
+        return self.store.add(CHANGES, 0)
+
+    def note_change(self) -> None:
+        """A change outside the roster value that its cached readers must see (a join
+        request, one withdrawn)."""
+        self.store.add(CHANGES, 1)
+
     def holder(self, slot: int) -> int | None:
         """The engine making slot `slot` now; None while nobody does (its holder was lost or
         handed it over)."""
@@ -109,6 +121,7 @@ class Roster:
                 self.store.delete_key(key)
             state.epoch += 1
             self.store.set(KEY, state.to_json())
+            self.note_change()
             return state
 
     def rejoin(self, engine: int) -> RosterState:
@@ -122,6 +135,7 @@ class Roster:
             state.owner[engine] = engine
             state.epoch += 1
             self.store.set(KEY, state.to_json())
+            self.note_change()
             return state
 
     def _locked(self, stale_s: float = LOCK_STALE_S):

@@ -158,10 +158,12 @@ def engine_loss_excuse(cfg: Config, layout: Layout, device: torch.device):
         role = layout.role_of(rank)
         if role.role != "generator" or not survives:
             return False
-        state = Roster(store, layout.engines).mark_lost(role.index)
+        roster = Roster(store, layout.engines)
+        state = roster.mark_lost(role.index)
         if state is None:  # another rank's watchdog declared it first, or it was a
             for key in (f"join/{role.index}", f"join/{role.index}/claimed"):
                 store.delete_key(key)  # replacement that died before it was back
+            roster.note_change()
             return True
         if not state.live:
             return False  # the last engine: the job cannot go on

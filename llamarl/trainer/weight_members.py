@@ -32,14 +32,26 @@ class EngineMembers(Members):
         self.pairs: dict[int, tuple[str, dist.ProcessGroup]] = {}  # engine -> (n, its group)
         self.syncs = 0  # syncs sent so far: the index of the next one
         self._joining: set[int] = set()  # replacements that receive but are not back yet
+        # what the roster and the join requests said when `roster.changes()` was _seen: read
+        # again only when it moves, so a sync costs one store round trip in steady state
+        self._seen: int | None = None
+        self.state = self.roster.read()
+        self._requests: dict[int, str] = {}  # engine -> replacement asking to join
 
     def targets(self) -> list[tuple[int, dist.ProcessGroup, int]]:
         """Called once per sync, in the same order on every trainer rank."""
         i, self.syncs = self.syncs, self.syncs + 1
-        lost = set(self.roster.read().lost)
+        changes = self.roster.changes()
+        if changes != self._seen:
+            self._seen, self.state = changes, self.roster.read()
+            store = self.rt.store
+            self._requests = {e: store.get(f"join/{e}").decode()
+                              for e in range(self.rt.layout.engines)
+                              if store.check([f"join/{e}"])}
+        lost = set(self.state.lost)
         out, joining = [], set()
         for e in range(self.rt.layout.engines):
-            pair = self._replacement(e, i)
+            pair = self._replacement(e, self._requests[e], i) if e in self._requests else None
             if pair is not None:
                 out.append((e, pair, 1))
                 joining.add(e)
@@ -55,20 +67,18 @@ class EngineMembers(Members):
         return {e for e in self.roster.read().lost
                 if e not in self._joining or not store.check([f"join/{e}"])}
 
-    def _replacement(self, e: int, i: int) -> dist.ProcessGroup | None:
-        """The group of replacement engine e if it receives sync i, building it at its first."""
-        store = self.rt.store
-        if not store.check([f"join/{e}"]):
-            return None
-        n = store.get(f"join/{e}").decode()
-        key = f"join/{e}/{n}/sync"
+    def _replacement(self, e: int, n: str, i: int) -> dist.ProcessGroup | None:
+        """The group of replacement n of engine e if it receives sync i, building it at its
+        first."""
+        if self.pairs.get(e, ("",))[0] == n:
+            return self.pairs[e][1]
+        store, key = self.rt.store, f"join/{e}/{n}/sync"
         if self.rt.role.index == 0:
             store.compare_set(key, "", str(i + 1))  # trainer 0 chooses: its next sync
         if not store.check([key]) or int(store.get(key)) > i:
             return None
-        if self.pairs.get(e, ("",))[0] != n:
-            spec = self.rt.group_spec(join_group_name(self.rt.role.index, e, n), 0, 2)
-            self.pairs[e] = (n, make_group(spec))  # a rendezvous with the replacement
-            if self.rt.role.index == 0:
-                log(self.rt, f"sending weights to replacement engine {e} from sync {i}")
+        spec = self.rt.group_spec(join_group_name(self.rt.role.index, e, n), 0, 2)
+        self.pairs[e] = (n, make_group(spec))  # a rendezvous with the replacement
+        if self.rt.role.index == 0:
+            log(self.rt, f"sending weights to replacement engine {e} from sync {i}")
         return self.pairs[e][1]
