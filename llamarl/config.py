@@ -431,10 +431,6 @@ def validate(cfg: Config) -> Config:
     _validate_reward(cfg)
     _validate_rollout(cfg)
     _validate_continuous(cfg)
-    if cfg.generator.tp > 1:
-        _fail("generator.tp", cfg.generator.tp,
-              "tensor-parallel engines are laid out (llamarl/launch/layout.py) but their SPMD "
-              "control path is not implemented yet: use generator.tp=1 and more engines")
     _validate_data(cfg.data)
     per_rank = cfg.generator.engines * cfg.trainer.ranks
     if cfg.generator.prompts_per_step % per_rank:

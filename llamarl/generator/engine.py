@@ -31,6 +31,7 @@ from llamarl.generator.kv_cache import (
     plan_kv_cache,
     sequence_bytes,
 )
+from llamarl.generator.tp import EngineCommands, spmd
 
 WORKER_EXTENSION = "llamarl.generator.worker_ext.LlamarlWorkerExtension"
 
@@ -158,6 +159,9 @@ class Engine:
         self._requests: dict[str, _Request] = {}  # submitted and not finished, by id
         self._paused: list[str] = []  # ids of requests paused (see pause)
         self.recomputed_tokens = 0  # prompt + generated tokens re-prefilled after loads
+        # tp > 1, on the engine's leader: where its @spmd calls go first (generator/tp.py)
+        self.commands: EngineCommands | None = None
+        self._in_command = False
         try:
             self.llm = LLM(
                 model=model_path, dtype=dtype, seed=seed, tensor_parallel_size=cfg.tp,
@@ -212,6 +216,7 @@ class Engine:
                     "lower generator.max_model_len or the batch")
         return "the engine failed"
 
+    @spmd
     def generate(self, prompts: list[list[int]], n: int, temperature: float, max_tokens: int,
                  seed: int) -> list[list[Completion]]:
         """Sample `n` completions per prompt (token ids). Returns one group per prompt.
@@ -246,6 +251,7 @@ class Engine:
             self.resume()
         return [[_completion(c) for c in out.outputs] for out in outputs]
 
+    @spmd
     def begin(self, seed: int) -> None:
         """Start a call (a generate, or a run of submit/step): empty the prefix cache and
         seed the sampler with `seed` (see generate)."""
@@ -261,6 +267,7 @@ class Engine:
     # -- request by request (multi-turn episodes: a turn is submitted when its context is
     # ready, while other episodes generate; continuous mode: a prompt group is submitted when
     # there is room) ------------------------------------------------------------------------
+    @spmd
     def submit(self, request_id: str, prompt_ids: list[int], temperature: float,
                max_tokens: int) -> None:
         """Queue one sample of `prompt_ids`; step() returns it when it is done."""
@@ -282,6 +289,7 @@ class Engine:
         self.llm.llm_engine.add_request(
             req.vllm_id, TokensPrompt(prompt_token_ids=req.prompt_ids + req.token_ids), params)
 
+    @spmd
     def step(self) -> list[tuple[str, Completion]]:
         """One engine step; the requests that finished in it, each with the versions that
         sampled its tokens. Prefix caching stays on within a call, so a turn reuses the KV of
@@ -318,6 +326,7 @@ class Engine:
         """Submitted samples not finished yet."""
         return len(self._requests)
 
+    @spmd
     def abort_all(self) -> None:
         """Drop every submitted request (the run is over; nothing will read them)."""
         self.pause()
@@ -357,6 +366,7 @@ class Engine:
         states = self.llm.llm_engine.output_processor.request_states.values()
         return {getattr(st, "external_req_id", None) or st.request_id: st for st in states}
 
+    @spmd
     def pause(self) -> bool:
         """Abort the vLLM requests of every running sample, keeping its tokens so far, until
         resume() (a weight load, an evaluation: other calls may use the engine meanwhile).
@@ -378,6 +388,7 @@ class Engine:
         self._paused = list(self._requests)
         return True
 
+    @spmd
     def resume(self) -> None:
         """Resubmit every paused sample, from an empty prefix cache, as a continuation."""
         paused, self._paused = self._paused, []
@@ -397,16 +408,19 @@ class Engine:
         self.llm.collective_rpc("llamarl_join_weight_group",
                                 args=(specs, metas_json, bucket_mb, solo_mb))
 
+    @spmd
     def receive_weights(self) -> None:
         """Blocking: receive a full set of weights from the trainer and load it."""
         self.post_weights()
         self.load_posted_weights()
 
+    @spmd
     def post_weights(self) -> None:
         """Post the receives of the next weight sync and return: the bytes start moving
         (the caller may do other work, e.g. read the version announced, while they travel)."""
         self.worker.llamarl_post_receives()
 
+    @spmd
     def load_posted_weights(self, version: int | None = None) -> None:
         """Blocking: finish the sync that post_weights started; `version`: the policy version
         it carries (see swap_weights for requests in flight). The prefix cache (KV computed

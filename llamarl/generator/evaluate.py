@@ -52,8 +52,6 @@ class Evaluator:
                 self.source.ctx.engine.resume()
         if self.timeline is not None:
             self.timeline.record("eval", start, time.time(), step)
-        if not rt.role.is_engine_leader:
-            return
         for slot, part in results.items():
             rt.store.set(f"eval/{step}/{slot}", json.dumps(part))
         rt.store.set(f"eval/last/{rt.role.index}", str(step))

@@ -20,7 +20,10 @@ Loop of engine e with max_staleness = k, V = version of the loaded weights:
 
 k = 0 is strictly on-policy: batch b is sampled from exactly the weights of trainer step b.
 With k >= 1 generation of batch b overlaps training on batch b - 1 and the trainer sees
-samples at most k versions old. Only the engine leader ships rollouts and writes evaluations.
+samples at most k versions old.
+
+A tp > 1 engine runs this loop on its leader (tp rank 0) alone; its other tp ranks make the
+same engine calls in lockstep (generator/tp.py).
 
 Why prefer fresh weights: a generator faster than the trainer runs as far ahead as k allows, so
 every sample would be exactly k versions old. While its previous batch is still queued, the
@@ -40,6 +43,7 @@ from llamarl.generator.continuous import run_continuous
 from llamarl.generator.engine import Engine, EngineWorld, sampler_seed
 from llamarl.generator.evaluate import Evaluator
 from llamarl.generator.slots import SlotSet
+from llamarl.generator.tp import EngineCommands, follow_leader
 from llamarl.generator.weights import WeightFollower, fresh_version
 from llamarl.launch.cores import local_ranks, threads_for
 from llamarl.launch.roster import Roster, join_group_name
@@ -147,7 +151,24 @@ def run_generator(rt: Runtime) -> None:
         log(rt, engine.kv.describe())
 
     first_sync = join_as_replacement(rt, engine) if rt.joining else join_weight_groups(rt, engine)
+    if rt.layout.tp == 1:
+        return lead(rt, engine, data, model_path, first_sync)
+    # tp > 1 (generator/tp.py): the leader runs the loop, its tp ranks make its engine calls
+    commands = EngineCommands(rt.group_spec(f"engine{e}/commands", rt.role.tp_rank,
+                                            rt.layout.tp), rt.store)
+    if not leader:
+        n = follow_leader(engine, commands)
+        log(rt, f"followed {n} engine commands of the leader of engine {e}")
+        return
+    engine.commands = commands
+    lead(rt, engine, data, model_path, first_sync)
+    commands.stop()  # only when the loop ended well: a failed leader fails the job
 
+
+def lead(rt: Runtime, engine: Engine, data: PromptData, model_path: str,
+         first_sync: int) -> None:
+    """The loop of the module docstring, on the engine's leader (its only rank for tp 1)."""
+    cfg, g, e = rt.cfg, rt.cfg.generator, rt.role.index
     fmt = PromptFormatter(engine.tokenizer, cfg.data.chat_template, cfg.data.system_prompt,
                           model_path)
     k, b = cfg.sync.max_staleness, rt.resume.get("step", 0)
@@ -157,7 +178,7 @@ def run_generator(rt: Runtime) -> None:
                                                         g.max_model_len))
     scorer = RewardScorer(cfg.reward, g.max_new_tokens, str(rt.device))
     rt.watchdog.cleanups.append(scorer.close)
-    if cfg.reward.model_path and scorer.model is None and e == 0 and leader:
+    if cfg.reward.model_path and scorer.model is None and e == 0:
         log(rt, "the reward model scores on the trainer ranks (reward.model_placement="
                 "trainer): eval.jsonl holds the reward functions' held-out reward only")
     timeline = Timeline(rt.run_dir, rt.role.rank, rt.role.name)
@@ -173,9 +194,7 @@ def run_generator(rt: Runtime) -> None:
         weights.resumed_at(b)
     else:
         evaluator.run(step=0, version=0)
-    # Only the leader sees the channels; tp > 1 engines (rejected by the config for now) would
-    # need its decision shared with their other ranks.
-    prefer_fresh = cfg.sync.prefer_fresh and k >= 2 and leader and not cfg.sync.deterministic
+    prefer_fresh = cfg.sync.prefer_fresh and k >= 2 and not cfg.sync.deterministic
 
     try:
         if g.mode == "continuous":  # generator/continuous.py: the engine never drains
@@ -212,9 +231,8 @@ def run_generator(rt: Runtime) -> None:
             batch.info.update(engine=slot.index, made_by=e, data_state=slot.loader.state_dict(),
                               data_epoch=slot.loader.epoch, data_bad_rows=data.bad_row_count,
                               prev_put_s=slots.last_put_s())
-            if leader:
-                with timeline.phase("put", b):
-                    slots.put(slot, batch, abort=weights.trainer_done)
+            with timeline.phase("put", b):
+                slots.put(slot, batch, abort=weights.trainer_done)
         weights.finish()
     except BaseException:
         slots.close()  # failing: unlink what is in flight at once

@@ -32,7 +32,7 @@ class Slot:
     index: int
     loader: PromptLoader
     held_out: list  # this slot's held-out prompts, encoded
-    channels: list[Channel]  # to trainer rank t; empty on a non-leader rank
+    channels: list[Channel]  # to trainer rank t
     next_batch: int | None  # None while a takeover waits for its trainer ranks' word
     skip: set[int] = field(default_factory=set)  # trainer ranks that have next_batch already
 
@@ -70,9 +70,8 @@ class SlotSet:
         train = self.fmt.encode(shard(self.data.train, s, engines))
         held_out = self.fmt.encode(self.data.held_out[s::engines])
         self.check(train + held_out)
-        channels = ([open_channel(self.rt, s, t, "producer", takeover)
-                     for t in range(self.rt.layout.trainer_ranks)]
-                    if self.rt.role.is_engine_leader else [])
+        channels = [open_channel(self.rt, s, t, "producer", takeover)
+                    for t in range(self.rt.layout.trainer_ranks)]
         self.rt.watchdog.cleanups.extend(ch.close for ch in channels)
         return Slot(s, PromptLoader(train, cfg.run.seed, s, engines), held_out, channels,
                     next_batch)
@@ -152,7 +151,7 @@ class SlotSet:
     def put(self, slot: Slot, batch: RolloutBatch, abort) -> None:
         """Ship `batch` (slot.next_batch) to the trainer ranks, whole groups each."""
         b = slot.next_batch
-        if self.keep_states and self.rt.role.is_engine_leader:
+        if self.keep_states:
             store = self.rt.store
             store.set(f"slot/{slot.index}/after/{b}", json.dumps(slot.loader.state_dict()))
             if b - 2 >= self.first_batch:
