@@ -3,13 +3,16 @@ sync (vLLM's load_weights, recorded) and after the second (the recorded copies, 
 
 import json
 
+import pytest
 from conftest import DIST, torchrun
 
 
-def test_weight_broadcast_parity_with_fsdp2_trainers(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_weight_broadcast_parity_with_fsdp2_trainers(tmp_path, tiny_model_dir, tp):
+    """tp = 2: one engine of two ranks (generator/tp.py), each loading half of every layer."""
     out = tmp_path / "parity.json"
-    proc = torchrun(3, [str(DIST / "weight_sync_parity.py")], timeout=600, OUT=out,
-                    MODEL_DIR=tiny_model_dir, RUNS=tmp_path / "runs")
+    proc = torchrun(2 + tp, [str(DIST / "weight_sync_parity.py")], timeout=600, OUT=out,
+                    MODEL_DIR=tiny_model_dir, RUNS=tmp_path / "runs", TP=tp)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(out.read_text())
     assert r["buckets"] >= 2, "both trainer ranks must send their shards"
@@ -21,3 +24,5 @@ def test_weight_broadcast_parity_with_fsdp2_trainers(tmp_path, tiny_model_dir):
     assert 0 < r["in_place"] < r["buckets"], "some buckets are received in place, some copied"
     assert 0 < r["sent_as_is"] < r["buckets"], "some sent from the parameters, some packed"
     assert r["checksum_after_2"] != r["checksum_after"], "the replayed sync changes the weights"
+    # the tiny model: 4 query heads + 2 x 2 key/value heads of 32 = 256 rows, split over tp
+    assert r["qkv_rows"] == 256 // tp, r

@@ -8,7 +8,7 @@ private one-rank world must not pick up torchrun's agent store, so
 `TORCHELASTIC_USE_AGENT_STORE` is removed first. With tp > 1 every tp rank of the engine is its
 own launcher rank and drives the same engine SPMD-style (vLLM's `external_launcher` backend) in a
 world private to the engine: RANK/WORLD_SIZE/MASTER_* are rewritten to the engine's own before
-vLLM reads them.
+vLLM reads them; the leader sends its calls (methods marked @spmd) to the others, generator/tp.py.
 """
 
 from __future__ import annotations
@@ -209,6 +209,9 @@ class Engine:
                     "cannot do (a seeded request was preempted, or its prefill chunked); "
                     "llamarl seeds the sampler per call and no request, so this is a bug to "
                     "report")
+        if "divisible by tensor parallel size" in text:
+            return (f"generator.tp {self.cfg.tp} must divide the model's attention heads "
+                    "(each tp rank holds an equal share): choose a divisor of them")
         if any(s in text for s in ("kv cache", "out of memory", "no available memory",
                                    "cache blocks", "larger than the maximum number of tokens")):
             return (f"the KV cache is too small: one batch of {self.sequences} sequences x "

@@ -3,8 +3,8 @@
 worker lives in the engine's own process). Names carry the `llamarl_` prefix so they never clash
 with vLLM's own Worker methods.
 
-They run where the model lives: in the generator process for an in-process engine, or in each
-of vLLM's worker processes for tp > 1, so every tp rank joins the weight group itself and loads
+They run where the model lives: in the generator process (in-process engine; with tp > 1 each
+tp rank's process, generator/tp.py), so every tp rank joins the weight group itself and loads
 its own shards (vLLM's `load_weights` slices full tensors for tensor parallelism).
 """
 

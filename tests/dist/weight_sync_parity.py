@@ -1,8 +1,10 @@
-"""torchrun --nproc-per-node 3 (2 FSDP2 trainer ranks + 1 vLLM generator), via llamarl's own
-runtime. The trainers change the policy with real optimizer steps and broadcast it, twice; the
+"""torchrun --nproc-per-node 2 + TP (2 FSDP2 trainer ranks + 1 vLLM engine of TP ranks, $TP,
+default 1), via llamarl's own runtime. The trainers change the policy with real optimizer steps and broadcast it, twice; the
 generator compares its engine with the trainer's model before and after each sync and writes
 the findings to $OUT (JSON). The first sync goes through vLLM's load_weights (and records it),
-the second replays the recorded copies straight from the receive buffers."""
+the second replays the recorded copies straight from the receive buffers. With TP = 2 the
+engine's leader makes the comparisons while its other rank follows its calls (generator/tp.py):
+the engine's outputs need both ranks' shards, so they check every rank's weights."""
 
 import json
 import os
@@ -53,10 +55,22 @@ def trainer(rt, model_dir):
 
 def generator(rt, model_dir):
     from llamarl.generator.engine import Engine
-    from llamarl.generator.loop import join_weight_groups
+    from llamarl.generator.loop import _engine_world, join_weight_groups
+    from llamarl.generator.tp import EngineCommands, follow_leader
+    from llamarl.launch.runtime import free_port
 
-    engine = Engine(model_dir, rt.cfg.generator, "float32", seed=0, on_cpu=rt.on_cpu)
+    tp = rt.layout.tp
+    if tp > 1 and rt.role.is_engine_leader:
+        rt.store.set("engine/0/port", str(free_port()))
+    engine = Engine(model_dir, rt.cfg.generator, "float32", seed=0, on_cpu=rt.on_cpu,
+                    world=_engine_world(rt))
     join_weight_groups(rt, engine)
+    if tp > 1:
+        commands = EngineCommands(rt.group_spec("engine0/commands", rt.role.tp_rank, tp), rt.store)
+        if not rt.role.is_engine_leader:
+            follow_leader(engine, commands)
+            return
+        engine.commands = commands
     tok = engine.tokenizer
     ids = [[tok.bos_token_id] + tok.encode(p, add_special_tokens=False) for p in PROMPTS]
     before = engine.generate(ids, 1, 0.0, 10, seed=0)
@@ -84,6 +98,12 @@ def generator(rt, model_dir):
                             for t, f in zip(ts, fs))))[0]
     while rt.store.add("trainer/sent", 0) < 2:  # both trainer ranks counted their buckets
         time.sleep(0.01)
+    if tp > 1:
+        engine.commands.stop()
+    # rows of the fused q/k/v projection this rank holds: all of them / tp
+    result["qkv_rows"] = engine.llm.collective_rpc(
+        lambda worker: worker.model_runner.model.model.layers[0].self_attn.qkv_proj.weight.shape[0]
+    )[0]
     result["buckets"] = rt.store.add("trainer/nbuckets", 0)
     result["sent_as_is"] = rt.store.add("trainer/sent_as_is", 0)
     with open(os.environ["OUT"], "w") as f:
@@ -130,7 +150,9 @@ if __name__ == "__main__":
                              "generator.max_new_tokens=10", "trainer.lr=3e-3",
                              f"run.output_dir={os.environ['RUNS']}"])
     env = from_environ()
-    rt = setup(cfg, compute_layout(env.world_size, env.local_world_size, 2, 1, 1), env)
+    tp = int(os.environ.get("TP", "1"))
+    cfg.generator.tp = tp
+    rt = setup(cfg, compute_layout(env.world_size, env.local_world_size, 2, 1, tp), env)
     (trainer if rt.role.role == "trainer" else generator)(rt, model_dir)
     rt.watchdog.mark_done()
     rt.watchdog.stop()

@@ -1,0 +1,115 @@
+"""Tensor-parallel engines (generator.tp = 2, generator/tp.py) end to end through the launcher:
+the tp recipe, two tp engines beside two trainer ranks, multi-turn episodes in continuous mode,
+and a two-host launch whose engine sits on the other host. (Weight-sync parity with a tp engine:
+tests/test_weight_sync.py.)"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import ROOT, child_env, torchrun
+from test_async_e2e import SMALL, SOLO, metrics_of
+
+pytestmark = pytest.mark.slow
+RECIPE = "recipes/tiny_grpo_tp2_cpu.yaml"
+
+
+def _check_run(out, steps: int, engines: int = 1) -> list[dict]:
+    """Every step trained on rollouts of every engine, sampled from the weights the trainer
+    sent (the engine's logprobs are the trainer's: both tp ranks hold the right shards)."""
+    run, rows = metrics_of(out)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for r in rows:
+        assert set(r["behaviour_version_by_engine"]) == {str(e) for e in range(engines)}
+        assert r["dropped_stale"] == 0
+    layout = json.loads((run / "layout.json").read_text())
+    assert (layout["tp"], layout["engines"]) == (2, engines)
+    return rows
+
+
+def test_tp2_recipe_trains_and_evaluates(tmp_path, cache_dir):
+    """recipes/tiny_grpo_tp2_cpu.yaml: 2 trainer ranks + one engine of tp 2 (4 ranks)."""
+    proc = torchrun(4, ["-m", "llamarl.launch", RECIPE, "run.steps=3", "run.eval_every=3",
+                        SOLO, f"run.output_dir={tmp_path}",
+                        *[a for a in SMALL if "eval_every" not in a]],
+                    timeout=600, LLAMARL_CACHE=cache_dir)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = _check_run(tmp_path, 3)
+    assert all(r["mismatch_kl"] < 1e-4 for r in rows), rows
+    assert all(r["staleness_max"] == 0 for r in rows)  # on-policy: the engine waited for each
+    out = proc.stdout + proc.stderr
+    assert "[generator 0 (tp rank 1)] followed" in out, out[-3000:]
+    run, _ = metrics_of(tmp_path)
+    evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 3]
+
+
+def test_two_tp2_engines_with_two_trainer_ranks(tmp_path, cache_dir):
+    """6 ranks on one host: trainers 0-1, engine 0 on ranks 2-3, engine 1 on ranks 4-5,
+    generating one version ahead of training (sync.max_staleness=1, AIPO)."""
+    proc = torchrun(6, ["-m", "llamarl.launch", RECIPE, "run.steps=4", "generator.engines=2",
+                        "sync.max_staleness=1", "algorithm.correction=aipo", SOLO,
+                        f"run.output_dir={tmp_path}", *SMALL],
+                    timeout=900, LLAMARL_CACHE=cache_dir)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = _check_run(tmp_path, 4, engines=2)
+    assert all(r["staleness_max"] <= 1 for r in rows)
+    assert all(rows[-1]["behaviour_version_by_engine"][e] >= 2 for e in ("0", "1"))
+    out = proc.stdout + proc.stderr
+    assert "[generator 1 (tp rank 1)] followed" in out, out[-3000:]
+
+
+def test_multi_turn_episodes_in_continuous_mode_with_tp(tmp_path, cache_dir):
+    """recipes/tiny_tool_cpu.yaml with one tp 2 engine in continuous mode: every engine call
+    the leader makes (turns submitted one by one, engine steps, pauses for evaluations,
+    weight loads between two steps) is made by its other rank too."""
+    proc = torchrun(4, ["-m", "llamarl.launch", "recipes/tiny_tool_cpu.yaml", "generator.tp=2",
+                        "run.steps=3", "generator.mode=continuous", "sync.max_staleness=2",
+                        "algorithm.correction=aipo", "run.eval_every=2", "data.eval_prompts=16",
+                        f"run.output_dir={tmp_path}"],
+                    timeout=900, LLAMARL_CACHE=cache_dir)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rows = _check_run(tmp_path, 3)
+    assert rows[0]["mismatch_kl"] < 1e-4  # sampled from the initial weights, before any load
+    for r in rows:
+        assert r["turns_per_episode"] >= 1 and r["staleness_max"] <= 2
+        assert sum(v for k, v in r.items() if k.startswith("episodes_")) == 32 * 8
+
+
+def test_two_host_launch_with_a_tp_engine(tmp_path, cache_dir):
+    """Two torchrun agents of 2 ranks each on loopback, as on two hosts: the trainer ranks on
+    host 0 and the tp 2 engine on host 1, so weights and rollouts cross hosts and the engine's
+    own world stays on its host."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["-m", "llamarl.launch", RECIPE, "run.steps=2", SOLO, f"run.output_dir={tmp_path}",
+            *SMALL]
+    agents = []
+    for _ in range(2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+               "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+               "--rdzv-id=two-host-tp", "--max-restarts=0", *args]
+        agents.append(subprocess.Popen(cmd, cwd=ROOT, env=child_env(LLAMARL_CACHE=cache_dir),
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True))
+        time.sleep(0.5)
+    try:
+        outs = [a.communicate(timeout=900)[0] for a in agents]
+    finally:
+        for a in agents:
+            a.kill()
+    out = "\n".join(outs)
+    assert all(a.returncode == 0 for a in agents), out[-5000:]
+    assert "e0t0 over gloo (cross-host)" in out and "e0t1 over gloo (cross-host)" in out, \
+        out[-3000:]
+    rows = _check_run(tmp_path, 2)
+    assert all(r["mismatch_kl"] < 1e-4 for r in rows), "weights did not cross hosts intact"
+    run, _ = metrics_of(tmp_path)
+    layout = json.loads((run / "layout.json").read_text())
+    assert (layout["world_size"], layout["ranks_per_node"]) == (4, 2)
