@@ -116,7 +116,7 @@ METHODS = ("sync", "raw", "raw_p2p", "raw_single")
 def trainer(rt, args) -> None:
     from llamarl.parallel.fsdp import apply_fsdp
     from llamarl.parallel.groups import broadcast, post_to_all
-    from llamarl.parallel.weight_sync import OTHER_TAGS
+    from llamarl.parallel.weight_plan import OTHER_TAGS
     from llamarl.trainer.loop import init_trainer_group, open_weight_sender
     from llamarl.trainer.policy import load_policy
 
@@ -162,7 +162,7 @@ def trainer(rt, args) -> None:
                     if r == 0:
                         rt.store.set(f"bench/{method}/{key}", json.dumps([shares, chunk]))
                     works = [w for j, c in enumerate(share.split(chunk))
-                             for w in post_to_all(sender.group, c, OTHER_TAGS + j,
+                             for w in post_to_all(sender.transport.group, c, OTHER_TAGS + j,
                                                   p2p=method == "raw_p2p")]
                     for work in works:
                         work.wait()
@@ -170,7 +170,7 @@ def trainer(rt, args) -> None:
                         rt.wait_key(f"bench/{method}_done/{key}")
                 elif r == 0:  # raw_single: trainer 0 sends every byte in one broadcast
                     rt.store.set(f"bench/{method}/{key}", json.dumps([[nbytes], nbytes]))
-                    broadcast(sender.group, whole, root=0)
+                    broadcast(sender.transport.group, whole, root=0)
                     rt.wait_key(f"bench/{method}_done/{key}")
                 if i:
                     block.append(time.perf_counter() - t0)

@@ -284,6 +284,11 @@ class SyncConfig:
     # A shard this large is sent alone, straight from the trainer's parameter into the
     # engine's (no copy at either end); smaller ones are packed into buckets and copied.
     solo_mb: float = 1.0
+    # What moves the weights (llamarl/parallel/transports): `torch` (gloo / NCCL groups),
+    # `filesystem` (safetensors files in transport_dir, for trainers and engines that share a
+    # filesystem but no process group), or the import path of a module of your own.
+    transport: str = "torch"
+    transport_dir: str = ""  # filesystem transport: a directory all ranks see (default: the run's)
     timeout_s: float = 1800.0  # longest a collective may block (a dead peer is found sooner)
     dead_peer_s: float = 30.0  # a rank silent this long is declared dead
     # A lost engine (its process or node gone), with others left: `continue` without it (its
@@ -418,6 +423,11 @@ def validate(cfg: Config) -> Config:
         _fail("trainer.betas", cfg.trainer.betas, "must be two numbers in [0, 1)")
     if not 0 < cfg.algorithm.clip_eps < 1:
         _fail("algorithm.clip_eps", cfg.algorithm.clip_eps, "must be in (0, 1)")
+    if cfg.sync.transport not in ("torch", "filesystem") and not re.fullmatch(
+            r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", cfg.sync.transport):
+        _fail("sync.transport", cfg.sync.transport,
+              "use torch, filesystem, or the import path of a module with Sender and Receiver "
+              "classes (llamarl/parallel/transports/base.py)")
     if cfg.sync.max_staleness < cfg.sync.every - 1:
         _fail("sync.max_staleness", cfg.sync.max_staleness,
               f"with weights sent every {cfg.sync.every} steps (sync.every) samples are up to "

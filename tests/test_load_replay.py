@@ -116,15 +116,24 @@ def test_split_rows_refuses_views_across_rows():
     assert split_rows(torch.zeros(2, 4), full.t()[:2], full, pieces) is None  # transposed
 
 
-class LoopbackGroup:
-    """Stands in for a sender's process group in one process: `broadcast` fills the receive
-    buffer with what the sender packed (the real groups: tests/test_weight_sync.py)."""
+class LoopbackTransport:
+    """Stands in for the receiving end of a transport in one process: a receive fills its
+    buffer with what the sender packed (the real transports: tests/test_weight_sync.py,
+    tests/test_weight_transport.py). The outboxes are per sender."""
 
-    def __init__(self):
-        self.outbox: list[torch.Tensor] = []
+    posts_early = False
 
-    def broadcast(self, tensors, opts):
-        tensors[0].copy_(self.outbox.pop(0))
+    def __init__(self, senders: int):
+        from llamarl.parallel.transports.base import TransportSpec
+
+        self.spec = TransportSpec("loopback", 1, senders, 1)
+        self.outbox: list[list[torch.Tensor]] = [[] for _ in range(senders)]
+
+    def begin(self):
+        pass
+
+    def receive(self, tensor, sender, tag):
+        tensor.copy_(self.outbox[sender].pop(0))
         return self
 
     def wait(self):
@@ -135,7 +144,8 @@ class LoopbackGroup:
 def test_receiver_replays_rows_received_in_place_or_into_buffers(bucket_mb):
     """bucket_mb = 0: a bucket per piece, most received straight into the engine; 1: one
     bucket per sender, received into its buffer and copied out."""
-    from llamarl.parallel.weight_sync import TensorMeta, WeightReceiver
+    from llamarl.parallel.weight_plan import TensorMeta
+    from llamarl.parallel.weight_receiver import WeightReceiver
 
     shapes = {"q": (4, 3), "k": (2, 3), "v": (2, 3), "embed": (3, 3), "o": (2, 4)}
     # Two senders split every tensor's rows (sender 0 takes the first ceil(rows / 2));
@@ -145,17 +155,17 @@ def test_receiver_replays_rows_received_in_place_or_into_buffers(bucket_mb):
         half = -(-shape[0] // 2)
         metas[0].append(TensorMeta(name, "torch.float32", shape, half, 0))
         metas[1].append(TensorMeta(name, "torch.float32", shape, shape[0] - half, half))
-    groups = [LoopbackGroup(), LoopbackGroup()]
-    receiver = WeightReceiver(metas, bucket_mb, groups, torch.device("cpu"))
+    transport = LoopbackTransport(2)
+    receiver = WeightReceiver(metas, bucket_mb, transport, torch.device("cpu"))
 
     def send(ckpt):
-        for s, group in enumerate(groups):
+        for s in range(2):
             for bucket in receiver.plans[s]:
                 flat = torch.empty(bucket.numel)
                 for meta, off in bucket.entries:
                     rows = ckpt[meta.name][meta.row0:meta.row0 + meta.local_rows]
                     flat[off:off + meta.numel] = rows.reshape(-1)
-                group.outbox.append(flat)
+                transport.outbox[s].append(flat)
 
     engine = FusedEngine(tp_rank=1)
     for seed in (0, 1, 2):  # records on the first sync, replays on the others

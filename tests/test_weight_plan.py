@@ -1,6 +1,6 @@
 import torch
 
-from llamarl.parallel.weight_sync import (
+from llamarl.parallel.weight_plan import (
     TensorMeta,
     metas_from_json,
     metas_to_json,
@@ -24,7 +24,7 @@ def test_buckets_group_by_dtype_and_respect_the_size():
 
 
 def test_large_pieces_travel_alone():
-    from llamarl.parallel.weight_sync import SOLO_BYTES
+    from llamarl.parallel.weight_plan import SOLO_BYTES
 
     solo = SOLO_BYTES // 4  # float32 elements
     metas = [TensorMeta("big", "torch.float32", (solo,)), TensorMeta("x", "torch.float32", (8,)),
@@ -52,7 +52,7 @@ def test_tied_parameters_are_sent_once():
 
 
 def test_float32_master_weights_travel_in_the_engine_dtype():
-    from llamarl.parallel.weight_sync import WeightSender
+    from llamarl.parallel.weight_sender import WeightSender
     from llamarl.tiny.model import build_model
 
     model, _ = build_model(0)  # float32, as the trainer's master weights
@@ -62,19 +62,13 @@ def test_float32_master_weights_travel_in_the_engine_dtype():
     assert {m.dtype for m in narrow.metas} == {"torch.bfloat16"}
     assert narrow.bytes_per_sync * 2 == wide.bytes_per_sync
 
-    class Loopback:  # a one-process "group": the broadcast root keeps its buffer
-        def broadcast(self, tensors, opts):
-            class Done:
-                def wait(self):
-                    return None
+    from llamarl.parallel.transports.base import Done, SenderTransport, TransportSpec
 
-                def get_future(self):
-                    f = torch.futures.Future()
-                    f.set_result(None)
-                    return f
-            return Done()
+    class Nowhere(SenderTransport):  # what the sender packed is checked here, not its travel
+        def send(self, tensor, tag):
+            return [(-1, Done())]
 
-    narrow.group = Loopback()
+    narrow.transport = Nowhere(TransportSpec("nowhere", 0, 1, 1))
     narrow.publish(model, version=None)
     narrow.wait()
     (bucket,) = narrow.buckets
@@ -88,7 +82,8 @@ def test_float32_master_weights_travel_in_the_engine_dtype():
 def test_large_pieces_are_sent_from_the_parameter_and_the_optimizer_waits_for_them():
     """A piece that travels alone in the wire dtype is broadcast from the parameter itself (no
     snapshot); `guard` makes the optimizer step wait until that broadcast is done."""
-    import llamarl.parallel.weight_sync as ws
+    import llamarl.parallel.weight_sender as ws
+    from llamarl.parallel.transports.base import SenderTransport, TransportSpec
     from llamarl.tiny.model import build_model
 
     model, _ = build_model(0)  # float32
@@ -113,12 +108,14 @@ def test_large_pieces_are_sent_from_the_parameter_and_the_optimizer_waits_for_th
             f.set_result(None)
             return f
 
-    class Group:
-        def broadcast(self, tensors, opts):
-            events.append(tensors[0].data_ptr())
-            return Pending(tensors[0])
+    class Broadcasts(SenderTransport):  # one collective per bucket, as NCCL's
+        point_to_point = False
 
-    sender.group = Group()
+        def send(self, tensor, tag):
+            events.append(tensor.data_ptr())
+            return [(-1, Pending(tensor))]
+
+    sender.transport = Broadcasts(TransportSpec("fake", 0, 1, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sender.guard(opt)
     sender.publish(model, version=None)

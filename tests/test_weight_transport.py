@@ -18,9 +18,12 @@ import torch
 import torch.distributed as dist
 from conftest import DIST, ROOT, child_env
 
-from llamarl.parallel import weight_sync
 from llamarl.parallel.groups import point_to_point, post_from_root, post_to_all
-from llamarl.parallel.weight_sync import _DTYPES, WeightReceiver, WeightSender
+from llamarl.parallel.transports import torch_dist
+from llamarl.parallel.transports.torch_dist import Members, Receiver, Sender
+from llamarl.parallel.weight_plan import DTYPES_BY_NAME
+from llamarl.parallel.weight_receiver import WeightReceiver
+from llamarl.parallel.weight_sender import WeightSender
 from llamarl.tiny.model import build_model
 
 
@@ -73,13 +76,13 @@ def test_sync_arrives_intact_and_the_step_waits_until_it_has_left(gloo_pair, mon
                                                                     alone, p2p):
     root, engine = gloo_pair
     if not p2p:  # the broadcast path (NCCL's) on the real gloo pair
-        monkeypatch.setattr(weight_sync, "point_to_point", lambda group: False)
+        monkeypatch.setattr(torch_dist, "point_to_point", lambda group: False)
     model, _ = build_model(0)
     big = max(p.numel() for p in model.parameters())
     # alone: the largest matrices travel alone, straight from the parameters (7 messages);
     # else the whole model is one packed bucket
     solo_mb = big * 4 / 2**20 if alone else None
-    sender = WeightSender(model, 0, 64, root, torch.device("cpu"), solo_mb=solo_mb)
+    sender = WeightSender(model, 0, 64, Sender.over(root), torch.device("cpu"), solo_mb=solo_mb)
     assert any(sender.direct) == alone and not all(sender.direct)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -95,7 +98,7 @@ def test_sync_arrives_intact_and_the_step_waits_until_it_has_left(gloo_pair, mon
     assert step.is_alive(), "optimizer.step() did not wait for the weight sync in flight"
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
-    bufs = [torch.empty(b.numel, dtype=_DTYPES[b.dtype]) for b in sender.buckets]
+    bufs = [torch.empty(b.numel, dtype=DTYPES_BY_NAME[b.dtype]) for b in sender.buckets]
     for w in [post_from_root(engine, buf, i, p2p) for i, buf in enumerate(bufs)]:
         w.wait()
     step.join(30)
@@ -136,10 +139,11 @@ def test_next_sync_is_received_while_the_engine_is_busy(gloo_pair, monkeypatch, 
     bytes there. Not on the broadcast path (NCCL's)."""
     root, engine_group = gloo_pair
     if not p2p:
-        monkeypatch.setattr(weight_sync, "point_to_point", lambda group: False)
+        monkeypatch.setattr(torch_dist, "point_to_point", lambda group: False)
     model, _ = build_model(0)
-    sender = WeightSender(model, 0, 64, root, torch.device("cpu"))
-    receiver = WeightReceiver([sender.metas], 64, [engine_group], torch.device("cpu"))
+    sender = WeightSender(model, 0, 64, Sender.over(root), torch.device("cpu"))
+    receiver = WeightReceiver([sender.metas], 64, Receiver.over([engine_group]),
+                              torch.device("cpu"))
     engine = LoadingEngine()
     receiver.post()
     sender.publish(model, version=None)
@@ -175,7 +179,7 @@ def test_a_trainer_that_quits_after_its_last_sync_is_no_error_until_another_is_a
                                       timedelta(seconds=60))
         model, _ = build_model(0)
         metas = WeightSender(model, 0, 64, None, torch.device("cpu")).metas
-        receiver = WeightReceiver([metas], 64, [group], torch.device("cpu"))
+        receiver = WeightReceiver([metas], 64, Receiver.over([group]), torch.device("cpu"))
         engine = LoadingEngine()
         receiver.post()
         store.set("go/0", "1")
@@ -203,7 +207,7 @@ os._exit(9)  # an engine killed after the group was built
 """
 
 
-class _Members(weight_sync.Members):
+class _Members(Members):
     """Receivers 1 and 2 of the group; 2 is declared lost once `lost_now` is set."""
 
     def __init__(self, group):
@@ -225,12 +229,12 @@ def test_a_dead_receiver_is_left_out_once_it_is_declared_lost(declared):
     assert dying.wait(60) == 9
     model, _ = build_model(0)
     members = _Members(root)
-    sender = WeightSender(model, 0, 64, root, torch.device("cpu"), members=members,
+    sender = WeightSender(model, 0, 64, Sender.over(root, members), torch.device("cpu"),
                           lost_grace_s=1.0)
     if declared:
         threading.Timer(0.3, members.lost_now.set).start()  # the watchdog's word, later
     sender.publish(model, version=None)
-    bufs = [torch.empty(b.numel, dtype=_DTYPES[b.dtype]) for b in sender.buckets]
+    bufs = [torch.empty(b.numel, dtype=DTYPES_BY_NAME[b.dtype]) for b in sender.buckets]
     for w in [post_from_root(engine, buf, i, True) for i, buf in enumerate(bufs)]:
         w.wait()  # receiver 1 gets the whole sync
     t0 = time.monotonic()

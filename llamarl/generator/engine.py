@@ -32,6 +32,7 @@ from llamarl.generator.kv_cache import (
     sequence_bytes,
 )
 from llamarl.generator.tp import EngineCommands, spmd
+from llamarl.parallel.transports.base import TransportSpec
 
 WORKER_EXTENSION = "llamarl.generator.worker_ext.LlamarlWorkerExtension"
 
@@ -404,12 +405,13 @@ class Engine:
             self.recomputed_tokens += len(req.prompt_ids) + len(req.token_ids)
             self._add(request_id, req)
 
-    def join_weight_group(self, specs: list, metas_json: list[str], bucket_mb: int,
-                          solo_mb: float | None = None) -> None:
-        """Join trainer rank i's weight group `specs[i]`, whose shard layout is metas_json[i]
-        (bucketed as the senders do: sync.bucket_mb, sync.solo_mb)."""
-        self.llm.collective_rpc("llamarl_join_weight_group",
-                                args=(specs, metas_json, bucket_mb, solo_mb))
+    def join_weight_sync(self, spec: TransportSpec, metas_json: list[str], bucket_mb: int,
+                         solo_mb: float | None = None) -> None:
+        """Open this engine's end of the weight sync over `spec` (parallel/transports); trainer
+        rank i's shard layout is metas_json[i] (bucketed as the senders do: sync.bucket_mb,
+        sync.solo_mb)."""
+        self.llm.collective_rpc("llamarl_join_weight_sync",
+                                args=(spec, metas_json, bucket_mb, solo_mb))
 
     @spmd
     def receive_weights(self) -> None:

@@ -95,14 +95,16 @@ def largest_call(rt: Runtime, held_out: int) -> int:
 
 
 def join_weight_groups(rt: Runtime, engine: Engine) -> int:
-    """Join wsync<r> = [trainer r (group rank 0), generator ranks (1 + j)] for every trainer
-    rank r (see trainer.loop.open_weight_sender); returns the first sync it receives: 0."""
+    """Open the engine's end of the weight sync (torch transport: join wsync<r> = [trainer r
+    (group rank 0), generator ranks (1 + j)] for every trainer rank r, see
+    trainer.loop.open_weight_sender); returns the first sync it receives: 0."""
     gen_ranks = rt.layout.generator_global_ranks
     me = 1 + gen_ranks.index(rt.role.rank)
     trainers = range(rt.layout.trainer_ranks)
-    engine.join_weight_group([rt.group_spec(f"wsync{r}", me, 1 + len(gen_ranks)) for r in trainers],
-                             [rt.wait_key(f"wsync/meta/{r}") for r in trainers],
-                             rt.cfg.sync.bucket_mb, rt.cfg.sync.solo_mb)
+    groups = [rt.group_spec(f"wsync{r}", me, 1 + len(gen_ranks)) for r in trainers]
+    engine.join_weight_sync(rt.weight_transport(me, groups),
+                            [rt.wait_key(f"wsync/meta/{r}") for r in trainers],
+                            rt.cfg.sync.bucket_mb, rt.cfg.sync.solo_mb)
     return 0
 
 
@@ -114,9 +116,10 @@ def join_as_replacement(rt: Runtime, engine: Engine) -> int:
     rt.store.set(f"join/{e}", n)
     Roster(rt.store, rt.layout.engines).note_change()  # the trainers look again
     first = int(rt.wait_key(f"join/{e}/{n}/sync"))
-    engine.join_weight_group([rt.group_spec(join_group_name(r, e, n), 1, 2) for r in trainers],
-                             [rt.wait_key(f"wsync/meta/{r}") for r in trainers],
-                             rt.cfg.sync.bucket_mb, rt.cfg.sync.solo_mb)
+    groups = [rt.group_spec(join_group_name(r, e, n), 1, 2) for r in trainers]
+    engine.join_weight_sync(rt.weight_transport(1, groups),
+                            [rt.wait_key(f"wsync/meta/{r}") for r in trainers],
+                            rt.cfg.sync.bucket_mb, rt.cfg.sync.solo_mb)
     return first
 
 

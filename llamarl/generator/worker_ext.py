@@ -4,7 +4,7 @@ worker lives in the engine's own process). Names carry the `llamarl_` prefix so 
 with vLLM's own Worker methods.
 
 They run where the model lives: in the generator process (in-process engine; with tp > 1 each
-tp rank's process, generator/tp.py), so every tp rank joins the weight group itself and loads
+tp rank's process, generator/tp.py), so every tp rank opens its end of the weight sync and loads
 its own shards (vLLM's `load_weights` slices full tensors for tensor parallelism).
 """
 
@@ -13,24 +13,27 @@ from __future__ import annotations
 import torch
 
 from llamarl.generator.cpu_fixes import disable_onednn_prepack
-from llamarl.parallel.groups import GroupSpec, make_group, post_from_root
-from llamarl.parallel.weight_sync import OTHER_TAGS, WeightReceiver, metas_from_json
+from llamarl.parallel.groups import post_from_root
+from llamarl.parallel.transports.base import TransportSpec
+from llamarl.parallel.weight_plan import OTHER_TAGS, metas_from_json
+from llamarl.parallel.weight_sync import open_weight_sync
 
 # Runs at import, which vLLM does before the worker loads the model (see cpu_fixes).
 disable_onednn_prepack()
 
 
 class LlamarlWorkerExtension:
-    def llamarl_join_weight_group(self, specs: list[GroupSpec], metas_json: list[str],
-                                  bucket_mb: int, solo_mb: float | None = None) -> int:
-        """Join the weight group of every trainer rank (spec i, shard layout metas_json[i])."""
+    def llamarl_join_weight_sync(self, spec: TransportSpec, metas_json: list[str],
+                                 bucket_mb: int, solo_mb: float | None = None) -> int:
+        """Open the receiving end of the weight sync (trainer rank i's shard layout:
+        metas_json[i]); returns the number of senders."""
         device = torch.device(self.device) if hasattr(self, "device") else torch.device("cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        groups = [make_group(spec) for spec in specs]
-        self._llamarl_receiver = WeightReceiver([metas_from_json(m) for m in metas_json],
-                                                bucket_mb, groups, device, solo_mb)
-        return len(groups)
+        self._llamarl_receiver = open_weight_sync(
+            "receive", spec, bucket_mb, device, solo_mb,
+            metas=[metas_from_json(m) for m in metas_json])
+        return spec.senders
 
     def llamarl_worker(self) -> LlamarlWorkerExtension:
         """This worker itself, for an engine in the same process to call directly."""
@@ -57,7 +60,7 @@ class LlamarlWorkerExtension:
             self._llamarl_raw[key] = [torch.empty(n, dtype=torch.uint8, device=receiver.device)
                                       for n in nbytes]
         works = [post_from_root(group, chunk, OTHER_TAGS + i, p2p)
-                 for group, buf in zip(receiver.groups, self._llamarl_raw[key])
+                 for group, buf in zip(receiver.transport.groups, self._llamarl_raw[key])
                  for i, chunk in enumerate(buf.split(chunk_bytes))]
         for work in works:
             work.wait()

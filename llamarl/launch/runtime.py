@@ -30,6 +30,7 @@ from llamarl.launch.layout import Layout, RankRole
 from llamarl.launch.roster import Roster
 from llamarl.launch.watchdog import Watchdog
 from llamarl.parallel.groups import GroupSpec, connect_store, default_backend
+from llamarl.parallel.transports.base import TransportSpec
 
 STARTUP_TIMEOUT_S = 600.0
 
@@ -61,6 +62,17 @@ class Runtime:
     def group_spec(self, name: str, rank: int, size: int) -> GroupSpec:
         return GroupSpec(self.env.master_addr, self.env.master_port, f"{self.prefix}/{name}",
                          rank, size, default_backend(self.device), self.cfg.sync.timeout_s)
+
+    def weight_transport(self, me: int, groups: list[GroupSpec]) -> TransportSpec:
+        """One end of the weight sync (parallel/transports): trainer rank `me` with its group
+        `groups[0]`, or receiver `me` with one group per trainer rank (torch transport)."""
+        sync = self.cfg.sync
+        # filesystem: a directory of this launch's own (a restarted job starts afresh)
+        directory = Path(sync.transport_dir or self.run_dir / "weight_sync") / \
+            self.prefix.replace("/", "-")
+        return TransportSpec(sync.transport, me, self.layout.trainer_ranks,
+                             len(self.layout.generator_global_ranks), tuple(groups),
+                             str(directory), sync.timeout_s)
 
     def wait_key(self, key: str, timeout_s: float = STARTUP_TIMEOUT_S) -> str:
         """Block until another rank publishes `key` (woken by the store the moment it is set).
@@ -142,10 +154,11 @@ def setup(cfg: Config, layout: Layout, env: DistEnv, joining: str = "") -> Runti
 def survives_engine_loss(cfg: Config, layout: Layout, device: torch.device) -> bool:
     """Whether the job goes on when an engine is lost (sync.engine_loss, docs/operations.md):
     another engine must be left, each engine one rank (tp 1), batch generation (slots change
-    hands at batch boundaries), and gloo weight groups, whose point-to-point sends can leave a
-    member out (an NCCL broadcast cannot)."""
+    hands at batch boundaries), and gloo weight groups (sync.transport torch), whose
+    point-to-point sends can leave a member out (an NCCL broadcast cannot)."""
     return (cfg.sync.engine_loss == "continue" and layout.engines >= 2 and layout.tp == 1
-            and cfg.generator.mode == "batch" and default_backend(device) == "gloo")
+            and cfg.generator.mode == "batch" and default_backend(device) == "gloo"
+            and cfg.sync.transport == "torch")
 
 
 def engine_loss_excuse(cfg: Config, layout: Layout, device: torch.device):

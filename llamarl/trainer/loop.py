@@ -32,8 +32,9 @@ from llamarl.launch.cores import threads_for
 from llamarl.launch.roster import Roster
 from llamarl.launch.runtime import Runtime, log, survives_engine_loss
 from llamarl.parallel.fsdp import apply_fsdp
-from llamarl.parallel.groups import make_group
-from llamarl.parallel.weight_sync import WeightSender, metas_to_json
+from llamarl.parallel.weight_plan import metas_to_json
+from llamarl.parallel.weight_sender import WeightSender
+from llamarl.parallel.weight_sync import open_weight_sync
 from llamarl.rewards.scorer import reward_metrics
 from llamarl.rollout.source import rollout_metrics
 from llamarl.timeline import Timeline
@@ -76,18 +77,19 @@ def load_reference(cfg, model_path: str, mesh, device: torch.device):
 
 
 def open_weight_sender(rt: Runtime, model: torch.nn.Module) -> WeightSender:
-    """Trainer r's sender on wsync<r> = [trainer r (group rank 0), every generator rank]; its
-    shard layout goes to the store for the generators (see generator.loop.join_weight_groups)."""
-    r = rt.role.index
-    # the engines hold model.dtype; the trainer's master weights may be wider (float32)
-    sender = WeightSender(model, r, rt.cfg.sync.bucket_mb, None, rt.device, rt.store,
-                          wire_dtype=DTYPES[rt.cfg.model.dtype], solo_mb=rt.cfg.sync.solo_mb,
-                          lost_grace_s=rt.cfg.sync.dead_peer_s + 5.0)
-    rt.store.set(f"wsync/meta/{r}", metas_to_json(sender.metas))
+    """Trainer r's end of the weight sync (torch transport: on wsync<r> = [trainer r (group
+    rank 0), every generator rank]); its shard layout goes to the store for the generators
+    (see generator.loop.join_weight_groups)."""
+    r, sync = rt.role.index, rt.cfg.sync
     n_gen = len(rt.layout.generator_global_ranks)
-    sender.group = make_group(rt.group_spec(f"wsync{r}", 0, 1 + n_gen))
+    spec = rt.weight_transport(r, [rt.group_spec(f"wsync{r}", 0, 1 + n_gen)])
+    # the engines hold model.dtype; the trainer's master weights may be wider (float32)
+    sender = open_weight_sync(
+        "send", spec, sync.bucket_mb, rt.device, sync.solo_mb, model=model, store=rt.store,
+        wire_dtype=DTYPES[rt.cfg.model.dtype], lost_grace_s=sync.dead_peer_s + 5.0,
+        publish_metas=lambda metas: rt.store.set(f"wsync/meta/{r}", metas_to_json(metas)))
     if survives_engine_loss(rt.cfg, rt.layout, rt.device):  # engines lost and replaced
-        sender.members = EngineMembers(rt, sender.group)
+        sender.transport.members = EngineMembers(rt, sender.transport.group)
     return sender
 
 

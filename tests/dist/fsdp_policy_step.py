@@ -22,7 +22,7 @@ from trainer_world import exit_process, trainer_world  # noqa: E402
 from llamarl.buffer.record import split_groups  # noqa: E402
 from llamarl.config import load_config  # noqa: E402
 from llamarl.parallel.fsdp import apply_fsdp  # noqa: E402
-from llamarl.parallel.weight_sync import WeightSender  # noqa: E402
+from llamarl.parallel.weight_sender import WeightSender  # noqa: E402
 from llamarl.tiny.model import build_model  # noqa: E402
 from llamarl.trainer import policy as policy_mod  # noqa: E402
 from llamarl.trainer.critic import build_critic  # noqa: E402
@@ -48,7 +48,7 @@ if __name__ == "__main__":
                gradient_checkpointing=cfg.trainer.gradient_checkpointing)
     steps = cfg.algorithm.epochs * cfg.algorithm.mini_batches
     sender = None
-    if os.environ.get("PLACE"):  # no group: only its send buffers are used here
+    if os.environ.get("PLACE"):  # no transport: only its send buffers are used here
         sender = WeightSender(model, rank, 1, None, device)
     trainer = PolicyTrainer(model, cfg.trainer, steps, world, device)
     path = os.environ.get("MODEL_DIR", "")

@@ -9,7 +9,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from llamarl.parallel.weight_sync import WeightSender
+from llamarl.parallel.transports.torch_dist import Sender
+from llamarl.parallel.weight_sender import WeightSender
 from llamarl.tiny.model import build_model
 
 if __name__ == "__main__":
@@ -18,7 +19,7 @@ if __name__ == "__main__":
     group = dist.ProcessGroupGloo(dist.PrefixStore("wsync0", store), 0, 2,
                                   timedelta(seconds=60))
     model, _ = build_model(0)
-    sender = WeightSender(model, 0, 64, group, torch.device("cpu"))
+    sender = WeightSender(model, 0, 64, Sender.over(group), torch.device("cpu"))
     for i in range(2):
         store.wait([f"go/{i}"])
         sender.send(model)

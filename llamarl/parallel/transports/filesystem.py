@@ -1,0 +1,119 @@
+"""The filesystem transport (sync.transport: filesystem): buckets as safetensors files in a
+directory that every trainer and engine sees (sync.transport_dir, e.g. a shared filesystem on
+a cluster where the trainers and the engines cannot join one NCCL group; default: the run
+directory).
+
+    <dir>/s<r>/<sync>/b<tag>.safetensors     bucket `tag` of sync `sync` from trainer rank r
+    <dir>/s<r>/<sync>/b<tag>.ack<j>          receiver j has read it
+
+A sender writes each bucket to a temporary name and renames it, so a receiver never reads a
+half-written file; its send is over once the file is there (the trainer does not wait for
+the engines to read it). A receiver's receive waits for the file when the loader waits for
+it, reads it into place and leaves its ack; the receiver that completes the acks removes the
+bucket and the acks (the sender removes a sync's directory once it is empty). The job store
+still carries the announcements and the shard layouts: only the bytes go through files. The
+directory is per launch (Runtime.weight_transport adds the job's incarnation), so a restarted
+job never reads a file of the one before.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from llamarl.parallel.transports.base import (
+    Done,
+    ReceiverTransport,
+    SenderTransport,
+    TransportSpec,
+    Work,
+)
+
+_KEY = "bucket"
+
+
+def _sync_dir(spec: TransportSpec, sender: int, sync: int) -> Path:
+    return Path(spec.directory) / f"s{sender}" / f"{sync:08d}"
+
+
+class Sender(SenderTransport):
+    def __init__(self, spec: TransportSpec):
+        super().__init__(spec)
+        self.sync = -1
+        self._old: list[Path] = []  # directories of earlier syncs, removed once empty
+
+    def begin(self) -> None:
+        self.sync += 1
+        here = _sync_dir(self.spec, self.spec.me, self.sync)
+        here.mkdir(parents=True, exist_ok=True)
+        for old in list(self._old):  # read by every receiver: their files are gone
+            try:
+                old.rmdir()
+                self._old.remove(old)
+            except OSError:
+                pass
+        self._old.append(here)
+
+    def send(self, tensor: torch.Tensor, tag: int) -> list[tuple[int, Work]]:
+        path = _sync_dir(self.spec, self.spec.me, self.sync) / f"b{tag}.safetensors"
+        tmp = path.with_suffix(".tmp")
+        save_file({_KEY: tensor.detach().to("cpu")}, str(tmp))
+        os.replace(tmp, path)  # atomic: a receiver sees the whole file or none
+        return [(-1, Done())]
+
+
+class _FileReceive:
+    """A posted receive: wait() waits for the file, reads it into `tensor`, acks it."""
+
+    def __init__(self, spec: TransportSpec, path: Path, tensor: torch.Tensor):
+        self.spec, self.path, self.tensor = spec, path, tensor
+        self.done = False
+
+    def wait(self) -> bool:
+        if self.done:
+            return True
+        deadline = time.monotonic() + self.spec.timeout_s
+        pause = 1e-4
+        while not self.path.exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"weight sync: {self.path} did not appear within sync.timeout_s "
+                    f"{self.spec.timeout_s:g} s: is sync.transport_dir {self.spec.directory} "
+                    "a directory that every trainer and engine sees?")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+        data = load_file(str(self.path))[_KEY]
+        if data.dtype != self.tensor.dtype or data.numel() != self.tensor.numel():
+            raise RuntimeError(f"weight sync: {self.path} holds {data.numel()} x {data.dtype}, "
+                               f"the plan expects {self.tensor.numel()} x {self.tensor.dtype}")
+        with torch.no_grad():
+            self.tensor.copy_(data.view(self.tensor.shape))
+        self._ack()
+        self.done = True
+        return True
+
+    def _ack(self) -> None:
+        """Leave this receiver's ack; the last of them removes the bucket and the acks."""
+        base = self.path.with_suffix("")
+        Path(f"{base}.ack{self.spec.me}").touch()
+        acks = [Path(f"{base}.ack{j}") for j in range(1, self.spec.receivers + 1)]
+        if all(a.exists() for a in acks):
+            for p in (self.path, *acks):
+                p.unlink(missing_ok=True)
+
+
+class Receiver(ReceiverTransport):
+    def __init__(self, spec: TransportSpec):
+        super().__init__(spec)
+        self.sync = -1
+
+    def begin(self) -> None:
+        self.sync += 1
+
+    def receive(self, tensor: torch.Tensor, sender: int, tag: int) -> Work:
+        path = _sync_dir(self.spec, sender, self.sync) / f"b{tag}.safetensors"
+        return _FileReceive(self.spec, path, tensor)

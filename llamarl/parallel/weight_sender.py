@@ -1,0 +1,278 @@
+"""The sending end of a weight sync, on every trainer rank: pack this rank's shards into the
+plan's buckets (parallel/weight_plan.py) and hand them to the transport (parallel/transports).
+
+Per sync, on trainer r (all T in lockstep with the same version):
+    trainer 0: store `wsync/version/<i>` = policy version        (one key: the announcement)
+    flat_b[off_j : off_j + n_j] = local shard of tensor j        (bucket b: one dtype,
+    post flat_b to every receiver, tag b                            <= bucket_mb; in order)
+    (a shard of >= sync.solo_mb is its own bucket, sent from the parameter itself; a shard
+    already in the wire dtype lives in flat_b for good, see fsdp.place_shards: no copy)
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import torch
+
+from llamarl.parallel.fsdp import place_shards
+from llamarl.parallel.transports.base import SenderTransport, Work
+from llamarl.parallel.weight_plan import (
+    DTYPES_BY_NAME,
+    Bucket,
+    itemsize,
+    local_pieces,
+    model_tensors,
+    persistent_buffer_names,
+    plan_buckets,
+    solo_bytes_of,
+)
+
+
+class WeightSender:
+    """Runs on every trainer rank r and sends r's shards through its transport
+    (parallel/transports: torch groups `wsync<r>` by default).
+
+    `publish` copies the shards into the send buffers (a snapshot: training may go on) and
+    posts each bucket's message to every generator as soon as it is packed (a broadcast on
+    NCCL; point-to-point sends on gloo, or files, whose completion a thread of the sender's
+    own waits for). `wait` blocks until they are sent; one sync is in flight at a
+    time, so the send buffers are allocated once and reused. All trainer ranks publish the
+    same versions in the same order; trainer 0 announces broadcast i in `store` as one key,
+    `wsync/version/<i>` = policy version, before sending it, so a generator waiting for that
+    key posts its receives while the first bucket is being packed.
+
+    A piece that travels alone (see SOLO_BYTES) and is already in the wire dtype, contiguous,
+    on the device, is sent straight from the parameter: no snapshot, no send buffer. A smaller
+    FSDP2 shard in the wire dtype is moved into its slot of a send buffer when the sender is
+    built (fsdp.place_shards: the model's storage changes, its values do not), so packing
+    skips it. Such parameters must then not change until they are sent: `guard(optimizer)`
+    makes the optimizer's step wait for the sync in flight (by then it is long sent: a step
+    takes longer than a sync).
+    """
+
+    def __init__(self, model: torch.nn.Module, rank: int, bucket_mb: int,
+                 transport: SenderTransport | None, device: torch.device, store=None,
+                 wire_dtype: torch.dtype | None = None, solo_mb: float | None = None,
+                 lost_grace_s: float = 0.0):
+        self.rank = rank
+        # `transport` may be set later (before the first publish): the shard layout (metas)
+        # is published first, so the receivers can build theirs while this one connects.
+        # A send that fails because its receiver died is forgiven once `transport.lost()`
+        # names it (within lost_grace_s), and a send that hangs on a lost receiver (its node
+        # is gone) is abandoned (the torch transport's Members: trainer/weight_members.py).
+        self.transport = transport
+        self.lost_grace_s = lost_grace_s
+        self.buffers = persistent_buffer_names(model)
+        self.metas = [m for m, _ in local_pieces(model, rank, self.buffers, wire_dtype)]
+        self.buckets = plan_buckets(self.metas, bucket_mb << 20, solo_bytes_of(solo_mb))
+        self.device = device
+        self.store = store
+        self.bytes_per_sync = sum(b.numel * itemsize(b.dtype) for b in self.buckets)
+        self.last_broadcast_s = 0.0
+        # Where each tensor lives (its module's _parameters or _buffers dict, and its key),
+        # resolved once: walking the module tree per sync cost ~0.5 ms for the tiny model.
+        self._model = model
+        tensors = model_tensors(model, self.buffers)
+        self._sources = [(name, *_owner(model, name), _kind(t)) for name, t in tensors.items()]
+        # Buckets sent straight from their one tensor (not a replicated one: that is gathered
+        # anew every sync) get no buffer (None) and no slots.
+        own = {}
+        for name, _, _, kind in self._sources:
+            if kind != "replicated":
+                own[name] = tensors[name].to_local() if kind == "shard" else tensors[name]
+        self.direct = [len(b.entries) == 1
+                       and _sendable_as_is(own.get(b.entries[0][0].name), b, device)
+                       for b in self.buckets]
+        self._flats = [None if direct else torch.empty(b.numel, dtype=DTYPES_BY_NAME[b.dtype],
+                                                       device=device)
+                       for b, direct in zip(self.buckets, self.direct)]
+        self._slots = [[] if flat is None else
+                       [(m.name, flat[off:off + m.numel].view(m.piece_shape))
+                        for m, off in b.entries] for b, flat in zip(self.buckets, self._flats)]
+        self._shapes = [[slot.shape for _, slot in slots] for slots in self._slots]
+        # FSDP2 shards that already are in the wire dtype move into their slots for good
+        # (fsdp.place_shards): the parameter is the send buffer, and packing skips them.
+        self.placed = place_shards(model, {name: slot for slots in self._slots
+                                           for name, slot in slots})
+        self._works: list[Work] = []
+        # gloo point to point: a thread waits for each sync's sends (see _track)
+        self._waiter: threading.Thread | None = None
+        self._in_flight: queue.SimpleQueue = queue.SimpleQueue()
+        self._sent: threading.Event | None = None  # set when the sync in flight is sent
+        self._failures: list[tuple[int, BaseException]] = []  # (receiver, why its send failed)
+        self._blocked_on: int | None = None  # the receiver whose send the waiter waits for
+        self._announced = 0
+
+    def _local_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's piece of every tensor, by name (same pieces as `local_pieces`)."""
+        out = {}
+        for name, registry, key, kind in self._sources:
+            # Read from the module's own dict: FSDP2 registers the sharded parameter there
+            # again after every forward and backward, and Module.__getattr__ costs ~1.5 us
+            # a tensor (a third of this loop's time for the tiny model).
+            t = registry[key]
+            if kind == "shard":
+                # The shard itself. DTensor.to_local() returns it too, but as a fresh view
+                # for a parameter (~2.5 us each): together these took 0.1 ms a sync for the
+                # tiny model's 26 tensors on the 2-core CPU, half of its packing time.
+                t = t._local_tensor
+            elif kind == "replicated":  # a collective: every rank calls it, in the same order
+                t = t.full_tensor()
+            out[name] = t
+        return out
+
+    def send(self, model: torch.nn.Module) -> None:
+        """Pack and broadcast now (pipelined bucket by bucket); returns when all is sent."""
+        self.publish(model, version=None)
+        self.wait()
+
+    def publish(self, model: torch.nn.Module, version: int | None) -> None:
+        """Announce the version (trainer 0; None: not announced), snapshot the shards bucket
+        by bucket and post each bucket's broadcast at once; returns without waiting for them."""
+        assert model is self._model, "a sender publishes the model it was built for"
+        self.wait()  # the previous sync's buffers are free again
+        if self.rank == 0 and version is not None:
+            assert self.store is not None, "trainer 0 announces versions in the job store"
+            self.store.set(f"wsync/version/{self._announced}", str(version))
+            self._announced += 1
+        t0 = time.perf_counter()
+        works = []
+        self.transport.begin()
+        with torch.no_grad():
+            local = self._local_tensors()
+            for b, (bucket, slots, flat, shapes) in enumerate(zip(
+                    self.buckets, self._slots, self._flats, self._shapes)):
+                if flat is None:  # straight from the parameter (see guard)
+                    (meta, _), = bucket.entries
+                    works += self.transport.send(local[meta.name].view(-1), b)
+                    continue
+                pieces = [local[name] for name, _ in slots]
+                assert [p.shape for p in pieces] == shapes, "a tensor changed shape since setup"
+                # Pack what does not live in its slot (see place_shards), casting to the wire
+                # dtype; a placed shard whose storage FSDP2 has replaced since is copied too.
+                to_copy = [(slot, p) for (_, slot), p in zip(slots, pieces)
+                           if p.data_ptr() != slot.data_ptr()]
+                if to_copy:
+                    dsts, srcs = zip(*to_copy)
+                    torch._foreach_copy_(list(dsts), list(srcs))
+                works += self.transport.send(flat, b)
+        self._track(works, t0, self.transport.point_to_point)
+
+    def _track(self, pairs: list[tuple[int, Work]], t0: float, p2p: bool) -> None:
+        """Time the sync in flight (`last_broadcast_s`) and keep what `wait` waits for."""
+        if not pairs:
+            return
+        if not p2p:  # a broadcast's future completes when it has been sent (NCCL: by the GPU)
+            works = [w for _, w in pairs]
+            futures = [w.get_future() for w in works]
+            done = futures[0] if len(futures) == 1 else torch.futures.collect_all(futures)
+            done.then(lambda _: setattr(self, "last_broadcast_s", time.perf_counter() - t0))
+            self._works = works
+            return
+
+        # gloo's sends (and files) have no future: the sender's own thread waits for them (a
+        # work must have only one waiter) and `wait` waits for its word. One thread for the sender's
+        # life: starting a thread per sync cost ~0.5 ms on the 2-core CPU (start() waits
+        # until the new thread runs), a quarter of a tiny model's sync.
+        if self._waiter is None:
+            self._in_flight = queue.SimpleQueue()  # this thread's own (see _abandon_lost)
+            self._waiter = threading.Thread(target=self._wait_sends, daemon=True,
+                                            args=(self._in_flight,), name="llamarl-wsync")
+            self._waiter.start()
+        self._sent = threading.Event()
+        self._in_flight.put((pairs, t0, self._sent))
+
+    def _wait_sends(self, in_flight: queue.SimpleQueue) -> None:
+        """The waiter thread: wait for each sync's sends, time it, and say when it is done.
+        A failed send is noted with its receiver and settled by `wait`."""
+        me = threading.current_thread()
+        while self._waiter is me:
+            pairs, t0, sent = in_flight.get()
+            failures = []
+            for dst, w in pairs:
+                if any(dst == d for d, _ in failures):
+                    continue
+                self._blocked_on = dst
+                try:
+                    w.wait()
+                except BaseException as e:  # noqa: BLE001 - settled by wait()
+                    failures.append((dst, e))
+                if self._waiter is not me:  # abandoned while blocked on a lost receiver
+                    return
+            self._blocked_on = None
+            self._failures += failures
+            if not failures:
+                self.last_broadcast_s = time.perf_counter() - t0
+            sent.set()
+
+    def _abandon_lost(self) -> bool:
+        """The waiter is blocked on a send to a receiver that is lost (its node is gone, so
+        nothing closes the connection): stop waiting for it. The thread is left to end on
+        its own (gloo times the send out); the next sync starts a new one."""
+        dst = self._blocked_on
+        if dst is None or dst not in self.transport.lost():
+            return False
+        self._waiter, self._blocked_on = None, None
+        return True
+
+    def _settle(self, failures: list[tuple[int, BaseException]]) -> None:
+        """Forgive the sends that failed because their receiver died, once it is declared
+        lost; anything else is an error."""
+        deadline = time.monotonic() + self.lost_grace_s
+        for dst, error in failures:
+            while dst not in self.transport.lost():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"weight broadcast failed: {error}") from error
+                time.sleep(0.1)
+
+    def guard(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make `optimizer.step()` wait for the sync in flight: some buckets are sent straight
+        from the parameters, which the step changes in place."""
+        optimizer.register_step_pre_hook(lambda _opt, _args, _kwargs: self.wait())
+
+    def wait(self) -> None:
+        """Block until the sync in flight (if any) has been sent."""
+        works, self._works = self._works, []
+        sent, self._sent = self._sent, None
+        try:
+            for w in works:
+                w.wait()
+        except BaseException as e:
+            raise RuntimeError(f"weight broadcast failed: {e}") from e
+        if sent is not None:
+            while not sent.wait(0.5):
+                if self._abandon_lost():
+                    break
+        failures, self._failures = self._failures, []
+        if self.transport is not None:  # sends that failed when posted (transport.send)
+            failures, self.transport.failures = failures + self.transport.failures, []
+        self._settle(failures)
+
+
+
+
+def _sendable_as_is(t: torch.Tensor | None, bucket: Bucket, device: torch.device) -> bool:
+    """Whether `t`, a bucket's one piece, can be broadcast as it is (no copy into a buffer)."""
+    device = torch.device(device)
+    return (t is not None and t.is_contiguous() and str(t.dtype) == bucket.dtype
+            and t.numel() == bucket.numel and t.device.type == device.type
+            and (device.index is None or t.device.index == device.index))
+
+
+def _kind(t: torch.Tensor) -> str:
+    """How a trainer rank gets its piece of `t` (as in local_pieces)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(t, DTensor):
+        return "plain"
+    return "shard" if tuple(t.placements) == (Shard(0),) else "replicated"
+
+
+def _owner(model: torch.nn.Module, name: str) -> tuple[dict, str]:
+    """The dict that holds tensor `name` (its module's _parameters or _buffers) and its key."""
+    path, _, attr = name.rpartition(".")
+    module = model.get_submodule(path)
+    return (module._parameters if attr in module._parameters else module._buffers), attr

@@ -1,0 +1,91 @@
+"""The filesystem weight transport (sync.transport: filesystem, parallel/transports/filesystem.py):
+syncs through files between a real sender and two real receivers in one process, a missing
+file as a one-line error, the transport seam's errors, and the launcher's runs over files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import torchrun
+from test_async_e2e import SMALL, SOLO, metrics_of
+from test_weight_transport import LoadingEngine
+
+from llamarl.parallel.transports import transport_module
+from llamarl.parallel.transports.base import TransportSpec
+from llamarl.parallel.weight_sync import open_weight_sync
+from llamarl.tiny.model import build_model
+
+
+def _spec(tmp_path, me: int, timeout_s: float = 30.0) -> TransportSpec:
+    return TransportSpec("filesystem", me, senders=1, receivers=2, directory=str(tmp_path),
+                         timeout_s=timeout_s)
+
+
+def test_syncs_travel_through_files_to_every_receiver_and_are_cleaned_up(tmp_path):
+    """Two syncs to two receivers: the first through load_weights (recorded), the second
+    replayed from the receive buffers; the files of a bucket go once both receivers read it."""
+    model, _ = build_model(0)
+    cpu = torch.device("cpu")
+    published = []
+    sender = open_weight_sync("send", _spec(tmp_path, 0), 64, cpu, 0.015625, model=model,
+                              publish_metas=published.append)
+    receivers = [open_weight_sync("receive", _spec(tmp_path, j), 64, cpu, 0.015625,
+                                  metas=published) for j in (1, 2)]
+    assert len(sender.buckets) > 1  # the weight matrices travel alone, the rest packed
+    engines = [LoadingEngine(), LoadingEngine()]
+    for sync in range(2):
+        if sync:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(0.5).add_(0.25)
+        sender.publish(model, version=None)  # written at once: no receiver is waiting yet
+        sender.wait()
+        files = list((tmp_path / "s0").glob("*/b*.safetensors"))
+        assert len(files) == len(sender.buckets)
+        for receiver, engine in zip(receivers, engines):
+            receiver.post()
+            receiver.load(engine)
+            assert engine.holds(model)
+        assert receivers[0].replay is not None, receivers[0].problem
+        assert not list((tmp_path / "s0").glob("*/b*")), "read by both: bucket and acks gone"
+
+
+def test_a_file_that_never_comes_is_a_one_line_error(tmp_path):
+    model, _ = build_model(0)
+    metas = open_weight_sync("send", _spec(tmp_path, 0), 64, torch.device("cpu"), model=model)
+    receiver = open_weight_sync("receive", _spec(tmp_path, 1, timeout_s=0.2), 64,
+                                torch.device("cpu"), metas=[metas.metas])
+    receiver.post()
+    with pytest.raises(RuntimeError, match="did not appear within sync.timeout_s.*"
+                                           "sync.transport_dir"):
+        receiver.load(LoadingEngine())
+
+
+def test_a_transport_is_a_registered_name_or_a_module_with_sender_and_receiver():
+    assert transport_module("filesystem").Sender.__name__ == "Sender"
+    with pytest.raises(ValueError, match="sync.transport 'no_such.module'"):
+        transport_module("no_such.module")
+    with pytest.raises(ValueError, match="has no Sender and Receiver"):
+        transport_module("llamarl.parallel.weight_plan")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe,ranks", [("recipes/tiny_grpo_cpu.yaml", 3),
+                                          ("recipes/tiny_grpo_tp2_cpu.yaml", 4)],
+                         ids=["tp1", "tp2"])
+def test_runs_over_files(tmp_path, cache_dir, recipe, ranks):
+    """The launcher with sync.transport=filesystem: every step samples from the weights the
+    trainer sent (the engine's logprobs are the trainer's), with one engine rank or two."""
+    shared = tmp_path / "shared"
+    proc = torchrun(ranks, ["-m", "llamarl.launch", recipe, "run.steps=3", SOLO,
+                            "sync.transport=filesystem", f"sync.transport_dir={shared}",
+                            f"run.output_dir={tmp_path / 'out'}", *SMALL],
+                    timeout=600, LLAMARL_CACHE=cache_dir)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    run, rows = metrics_of(tmp_path / "out")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["mismatch_kl"] < 1e-4 for r in rows), [r["mismatch_kl"] for r in rows]
+    assert json.loads((run / "layout.json").read_text())["world_size"] == ranks
+    assert not list(shared.rglob("*.safetensors")), "every bucket read and removed"
