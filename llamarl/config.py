@@ -288,7 +288,10 @@ class SyncConfig:
     # `filesystem` (safetensors files in transport_dir, for trainers and engines that share a
     # filesystem but no process group), or the import path of a module of your own.
     transport: str = "torch"
-    transport_dir: str = ""  # filesystem transport: a directory all ranks see (default: the run's)
+    transport_dir: str = ""  # filesystem transport: a directory all ranks see (default: run's)
+    # Engines of generator.tp > 1: from the second sync on, send each tp rank only the part of
+    # each tensor it loads (its rows or columns, found on the first sync); false: everything.
+    reshard: bool = True
     timeout_s: float = 1800.0  # longest a collective may block (a dead peer is found sooner)
     dead_peer_s: float = 30.0  # a rank silent this long is declared dead
     # A lost engine (its process or node gone), with others left: `continue` without it (its

@@ -66,13 +66,26 @@ class Runtime:
     def weight_transport(self, me: int, groups: list[GroupSpec]) -> TransportSpec:
         """One end of the weight sync (parallel/transports): trainer rank `me` with its group
         `groups[0]`, or receiver `me` with one group per trainer rank (torch transport)."""
-        sync = self.cfg.sync
+        sync, layout = self.cfg.sync, self.layout
         # filesystem: a directory of this launch's own (a restarted job starts afresh)
         directory = Path(sync.transport_dir or self.run_dir / "weight_sync") / \
             self.prefix.replace("/", "-")
-        return TransportSpec(sync.transport, me, self.layout.trainer_ranks,
-                             len(self.layout.generator_global_ranks), tuple(groups),
-                             str(directory), sync.timeout_s)
+        tp_groups: list[GroupSpec] = []
+        if layout.tp > 1 and default_backend(self.device) == "nccl":
+            # resharded syncs broadcast to one tp rank's receivers: [trainer r, tp rank k of
+            # every engine] (gloo sends point to point and needs none)
+            n = 1 + layout.engines
+            if self.role.role == "trainer":
+                tp_groups = [self.group_spec(f"wsync{me}t{k}", 0, n) for k in range(layout.tp)]
+            else:
+                tp_groups = [self.group_spec(f"wsync{r}t{self.role.tp_rank}",
+                                             1 + self.role.index, n)
+                             for r in range(layout.trainer_ranks)]
+        return TransportSpec(sync.transport, me, layout.trainer_ranks,
+                             len(layout.generator_global_ranks), tuple(groups),
+                             str(directory), sync.timeout_s, layout.tp, sync.reshard,
+                             tuple(tp_groups),
+                             (self.env.master_addr, self.env.master_port, self.prefix))
 
     def wait_key(self, key: str, timeout_s: float = STARTUP_TIMEOUT_S) -> str:
         """Block until another rank publishes `key` (woken by the store the moment it is set).

@@ -170,3 +170,89 @@ def local_pieces(model: torch.nn.Module, rank: int, buffers: set[str],
 def itemsize(dtype: str) -> int:
     """Bytes per element of a TensorMeta/Bucket dtype."""
     return torch.empty((), dtype=DTYPES_BY_NAME[dtype]).element_size()
+
+
+# -- resharded syncs (tp > 1 engines) --------------------------------------------------------
+# A tensor-parallel engine's rank reads only part of most tensors (vLLM's load_weights keeps
+# its rows of a column-parallel weight, its columns of a row-parallel one, its share of the
+# vocabulary). `Needs` says which part, as one block per tensor: [start, stop) per dim of the
+# full tensor, found on the first sync (weight_receiver: the copies load_weights made). From
+# the second sync on, each sender sends each tp rank only its block of the rows it holds.
+Needs = dict[str, list[list[int]]]
+
+
+@dataclass(frozen=True)
+class SliceMeta:
+    """Block `block` ([start, stop) per dim, in the coordinates of the sender's piece) of the
+    piece `piece` that one sender holds; packed like a TensorMeta (plan_buckets)."""
+
+    piece: TensorMeta
+    block: tuple[tuple[int, int], ...]
+
+    @property
+    def name(self) -> str:
+        return self.piece.name
+
+    @property
+    def dtype(self) -> str:
+        return self.piece.dtype
+
+    @property
+    def piece_shape(self) -> tuple[int, ...]:
+        return tuple(b - a for a, b in self.block)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.piece_shape:
+            n *= s
+        return n
+
+    def of(self, piece: torch.Tensor) -> torch.Tensor:
+        """This block of `piece` (a view: the sender's local rows, or the receiver's copy)."""
+        return piece[tuple(slice(a, b) for a, b in self.block)] if self.block else piece
+
+
+def slice_plan(metas: list[TensorMeta], needs: Needs) -> list[SliceMeta]:
+    """What one sender (its pieces `metas`) sends to a tp rank that reads `needs`: the block
+    of each piece that overlaps it, in the metas' order; tensors it does not read, nothing."""
+    out = []
+    for m in metas:
+        if m.name not in needs or not m.numel:
+            continue
+        need = needs[m.name]
+        if not m.shape:
+            out.append(SliceMeta(m, ()))
+            continue
+        lo, hi = max(need[0][0], m.row0), min(need[0][1], m.row0 + m.local_rows)
+        if lo >= hi:
+            continue
+        block = ((lo - m.row0, hi - m.row0),) + tuple((a, b) for a, b in need[1:])
+        out.append(SliceMeta(m, block))
+    return out
+
+
+def block_in(view: torch.Tensor, base: torch.Tensor) -> list[list[int]] | None:
+    """The block ([start, stop) per dim of `base`) that `view` is, when it is one: a view of
+    the contiguous `base` with base's strides in every dim it spans; else None."""
+    if view.dim() != base.dim() or not base.is_contiguous():
+        return None
+    if not base.dim():
+        return []
+    o = view.storage_offset() - base.storage_offset()
+    if o < 0 or o >= base.numel():
+        return None
+    out = []
+    for size, stride, full, want in zip(view.shape, view.stride(), base.shape, base.stride()):
+        start, o = divmod(o, want)
+        if (size > 1 and stride != want) or start + size > full:
+            return None
+        out.append([start, start + size])
+    return out
+
+
+def merge_blocks(a: list[list[int]] | None, b: list[list[int]]) -> list[list[int]]:
+    """The smallest block holding blocks a (None: nothing yet) and b."""
+    if a is None:
+        return [list(r) for r in b]
+    return [[min(x[0], y[0]), max(x[1], y[1])] for x, y in zip(a, b)]

@@ -4,14 +4,28 @@ through the transport (parallel/transports) and write them into the engine's par
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 
+from llamarl.parallel.groups import connect_store
 from llamarl.parallel.load_replay import LoadRecorder, split_rows, storage_id
-from llamarl.parallel.transports.base import ReceiverTransport, Work
-from llamarl.parallel.weight_plan import DTYPES_BY_NAME, TensorMeta, plan_buckets, solo_bytes_of
+from llamarl.parallel.transports.base import Done, ReceiverTransport, Work
+from llamarl.parallel.weight_plan import (
+    DTYPES_BY_NAME,
+    Bucket,
+    Needs,
+    TensorMeta,
+    block_in,
+    itemsize,
+    merge_blocks,
+    plan_buckets,
+    slice_plan,
+    solo_bytes_of,
+)
 
 
 class WeightReceiver:
@@ -62,17 +76,36 @@ class WeightReceiver:
         self._works: list[list[Work]] | None = None  # the sync posted, not yet loaded
         self._posted_early = False  # _works were posted by the last load (see _post_next)
         self._early_error: RuntimeError | None = None  # why they could not be
+        # Resharded syncs (tp > 1; weight_plan.Needs): from the second sync on this tp rank
+        # receives only the blocks it read on the first, `slices[s]` (buckets of SliceMeta)
+        # from sender s into `slice_flats`, and copies them to their place in `flats`
+        # (`slice_copies`), from where the recorded load is replayed as before.
+        self.metas_by_sender = metas_by_sender
+        self.bucket_mb, self.solo_mb = bucket_mb, solo_mb
+        self.posted = 0  # syncs whose receives were posted
+        self.needs: Needs | None = None
+        self.slices: list[list[Bucket]] | None = None
+        self.slice_flats: list[list[torch.Tensor]] = []
+        self.slice_copies: list[list[tuple[list, list]]] = []
+        self._works_sliced = False
+        self._resharded = transport.spec.tp > 1 and transport.spec.reshard
 
     def _post(self, targets: list[list[torch.Tensor]]) -> list[list[Work]]:
         """Post the receive of every bucket of every sender now (bucket b: tag b), round
         robin over the senders: a point-to-point send waits until its receive is posted, so
         every sender's first buckets can move while the rest are being posted."""
+        # tp > 1, from the second sync: the messages for this tp rank alone (resharded)
+        own = self._resharded and self.posted >= 1
+        self.posted += 1
+        self._works_sliced = own and self.slices is not None
+        if self._works_sliced:
+            targets = self.slice_flats
         works: list[list[Work]] = [[] for _ in targets]
         self.transport.begin()
-        for b in range(max(len(t) for t in targets)):
+        for b in range(max((len(t) for t in targets), default=0)):
             for s, sender_targets in enumerate(targets):
                 if b < len(sender_targets):
-                    works[s].append(self.transport.receive(sender_targets[b], s, b))
+                    works[s].append(self.transport.receive(sender_targets[b], s, b, own))
         return works
 
     def receive(self, model: torch.nn.Module) -> int:
@@ -135,6 +168,9 @@ class WeightReceiver:
     def _load(self, model: torch.nn.Module) -> int:
         works, self._works = self._works, None
         assert works is not None, "post() the receives first"
+        if self._works_sliced:  # the blocks to their place in flats; then as a full sync
+            self._unpack_slices(works)
+            works = [[Done()] * len(plan) for plan in self.plans]
         if self.replay is not None and self.targets is self.flats and self._moved():
             self.replay = None  # the engine moved: record again (all bytes go to self.flats)
         if self.replay is not None:
@@ -162,7 +198,77 @@ class WeightReceiver:
                   file=sys.stderr, flush=True)
         else:
             self.watch = recorder.watch
+        if self._resharded and self.posted == 1:  # the first sync: what it read
+            self._reshard(None if self.problem else self._needs(recorder, assembled))
         return len(self.order)
+
+    # -- resharded syncs ------------------------------------------------------------------
+    def _needs(self, recorder: LoadRecorder, assembled: dict) -> Needs | None:
+        """The block of each received tensor that the recorded load read (None: some read
+        is not a block of one tensor, so this rank keeps receiving everything)."""
+        whole: dict[int, list[tuple[str, torch.Tensor]]] = {}  # buffer -> tensors in it
+        for name, parts in self.pieces.items():
+            if len(parts) == 1:
+                whole.setdefault(storage_id(parts[0][3]), []).append((name, parts[0][3]))
+        needs: Needs = {}
+        for _, src in recorder.copies:
+            sid = storage_id(src)
+            candidates = [assembled[sid]] if sid in assembled else whole.get(sid, [])
+            for name, base in candidates:
+                block = block_in(src, base)
+                if block is not None:
+                    needs[name] = merge_blocks(needs.get(name), block)
+                    break
+            else:
+                return None
+        return needs
+
+    def _reshard(self, needs: Needs | None) -> None:
+        """Receive only `needs` from the second sync on, and tell the senders (the job store:
+        `wsync/needs/<receiver>`, read by weight_sender at its second sync). None: receive
+        everything, still as this tp rank's own messages."""
+        self.needs = needs
+        if needs is not None:
+            solo = solo_bytes_of(self.solo_mb)
+            self.slices = [plan_buckets(slice_plan(metas, needs), self.bucket_mb << 20, solo)
+                           for metas in self.metas_by_sender]
+            self.slice_flats = [[torch.empty(b.numel, dtype=DTYPES_BY_NAME[b.dtype],
+                                             device=self.device) for b in plan]
+                                for plan in self.slices]
+            self.slice_copies = []
+            for s, plan in enumerate(self.slices):
+                copies = []
+                for b, bucket in enumerate(plan):
+                    dsts, srcs = [], []
+                    for sm, off in bucket.entries:
+                        piece = next(v for s2, _, _, v in self.pieces[sm.name] if s2 == s)
+                        dsts.append(sm.of(piece))
+                        srcs.append(self.slice_flats[s][b][off:off + sm.numel]
+                                    .view(sm.piece_shape))
+                    copies.append((dsts, srcs))
+                self.slice_copies.append(copies)
+        spec = self.transport.spec
+        if spec.store is not None:
+            host, port, prefix = spec.store
+            store = dist.PrefixStore(prefix, connect_store(host, port, spec.timeout_s))
+            store.set(f"wsync/needs/{spec.me}", "full" if needs is None else json.dumps(needs))
+
+    def _unpack_slices(self, works: list[list[Work]]) -> None:
+        """Wait for each block and copy it to its place in the receive buffers."""
+        with torch.no_grad():
+            for b in range(max((len(w) for w in works), default=0)):
+                for s, sender_works in enumerate(works):
+                    if b < len(sender_works):
+                        sender_works[b].wait()
+                        dsts, srcs = self.slice_copies[s][b]
+                        if dsts:
+                            torch._foreach_copy_(dsts, srcs)
+
+    @property
+    def bytes_per_sync(self) -> int:
+        """Bytes this receiver gets per sync (resharded: its blocks alone)."""
+        plans = self.slices if self.slices is not None else self.plans
+        return sum(b.numel * itemsize(b.dtype) for plan in plans for b in plan)
 
     def _arrivals(self, works, recorder: LoadRecorder | None = None,
                   assembled: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -212,7 +318,9 @@ class WeightReceiver:
                 replay[s][b][0].append(d)
                 replay[s][b][1].append(v)
         targets = [list(flats) for flats in self.flats]
-        for s, b in [(s, b) for s, flats in enumerate(self.flats) for b in range(len(flats))]:
+        # (resharded: the receive buffers must hold every sync, the blocks are copied there)
+        for s, b in [(s, b) for s, flats in enumerate(self.flats) for b in range(len(flats))
+                     if not self._resharded]:
             region = self._in_place(self.flats[s][b], *replay[s][b])
             if region is not None:
                 targets[s][b], replay[s][b] = region, ([], [])

@@ -11,6 +11,7 @@ Per sync, on trainer r (all T in lockstep with the same version):
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
@@ -27,6 +28,7 @@ from llamarl.parallel.weight_plan import (
     model_tensors,
     persistent_buffer_names,
     plan_buckets,
+    slice_plan,
     solo_bytes_of,
 )
 
@@ -67,7 +69,10 @@ class WeightSender:
         self.lost_grace_s = lost_grace_s
         self.buffers = persistent_buffer_names(model)
         self.metas = [m for m, _ in local_pieces(model, rank, self.buffers, wire_dtype)]
-        self.buckets = plan_buckets(self.metas, bucket_mb << 20, solo_bytes_of(solo_mb))
+        self._bucket_bytes, self._solo_bytes = bucket_mb << 20, solo_bytes_of(solo_mb)
+        self.buckets = plan_buckets(self.metas, self._bucket_bytes, self._solo_bytes)
+        self.syncs = 0  # syncs published
+        self._blocks: list | None = None  # per tp rank (see _routes), from the second sync
         self.device = device
         self.store = store
         self.bytes_per_sync = sum(b.numel * itemsize(b.dtype) for b in self.buckets)
@@ -140,14 +145,19 @@ class WeightSender:
             self._announced += 1
         t0 = time.perf_counter()
         works = []
+        routes = self._routes()
+        whole = [to for to, sliced in routes if sliced is None]  # who gets the full plan
         self.transport.begin()
         with torch.no_grad():
             local = self._local_tensors()
             for b, (bucket, slots, flat, shapes) in enumerate(zip(
                     self.buckets, self._slots, self._flats, self._shapes)):
+                if not whole:
+                    break
                 if flat is None:  # straight from the parameter (see guard)
                     (meta, _), = bucket.entries
-                    works += self.transport.send(local[meta.name].view(-1), b)
+                    for to in whole:
+                        works += self.transport.send(local[meta.name].view(-1), b, to)
                     continue
                 pieces = [local[name] for name, _ in slots]
                 assert [p.shape for p in pieces] == shapes, "a tensor changed shape since setup"
@@ -158,8 +168,71 @@ class WeightSender:
                 if to_copy:
                     dsts, srcs = zip(*to_copy)
                     torch._foreach_copy_(list(dsts), list(srcs))
-                works += self.transport.send(flat, b)
+                for to in whole:
+                    works += self.transport.send(flat, b, to)
+            for to, sliced in routes:
+                if sliced is not None:
+                    works += self._send_blocks(sliced, local, to)
+        self.syncs += 1
         self._track(works, t0, self.transport.point_to_point)
+
+    # -- resharded syncs (tp > 1 engines, weight_plan.Needs) ------------------------------
+    def _routes(self) -> list[tuple[int | None, list | None]]:
+        """Where this sync goes: [(None, None)], the full plan to every receiver; or, with
+        tp > 1 from the second sync on, one route per tp rank k: (k, the blocks k reads, as
+        (flat buffer, [(SliceMeta, its view of the buffer)]) per bucket), or (k, None) for a
+        tp rank that receives the full plan."""
+        tp = self.transport.spec.tp
+        if tp == 1 or not self.transport.spec.reshard or self.syncs == 0:
+            return [(None, None)]
+        if self._blocks is None:
+            self._blocks = [self._plan_blocks(needs) for needs in self._read_needs(tp)]
+        return list(enumerate(self._blocks))
+
+    def _read_needs(self, tp: int) -> list[dict | None]:
+        """What each tp rank's receivers read, as they published it after the first sync
+        (weight_receiver._reshard); the same for every engine of the layout."""
+        assert self.store is not None, "resharded syncs read the receivers' needs in the store"
+        by_rank: list[str | None] = [None] * tp
+        for j in range(1, self.transport.spec.receivers + 1):
+            text = self.store.get(f"wsync/needs/{j}").decode()
+            k = (j - 1) % tp
+            if by_rank[k] is not None and by_rank[k] != text:
+                raise RuntimeError(f"weight sync: receivers of tp rank {k} read different parts "
+                                   "of the weights (engines of one layout must load alike)")
+            by_rank[k] = text
+        return [None if text == "full" else json.loads(text) for text in by_rank]
+
+    def _plan_blocks(self, needs: dict | None) -> list | None:
+        if needs is None:
+            return None
+        out = []
+        for bucket in plan_buckets(slice_plan(self.metas, needs), self._bucket_bytes,
+                                   self._solo_bytes):
+            flat = torch.empty(bucket.numel, dtype=DTYPES_BY_NAME[bucket.dtype],
+                               device=self.device)
+            out.append((flat, [(sm, flat[off:off + sm.numel].view(sm.piece_shape))
+                               for sm, off in bucket.entries]))
+        return out
+
+    def _send_blocks(self, blocks: list, local: dict[str, torch.Tensor],
+                     to: int) -> list[tuple[int, Work]]:
+        """Pack each bucket of tp rank `to`'s blocks (cast to the wire dtype) and send it."""
+        works = []
+        for b, (flat, entries) in enumerate(blocks):
+            torch._foreach_copy_([view for _, view in entries],
+                                 [sm.of(local[sm.name]) for sm, _ in entries])
+            works += self.transport.send(flat, b, to)
+        return works
+
+    @property
+    def bytes_last_sync(self) -> list[int]:
+        """Bytes of the last sync per route: [full plan] or one per tp rank."""
+        if self._blocks is None or self.syncs <= 1:
+            return [self.bytes_per_sync]
+        return [self.bytes_per_sync if blocks is None else
+                sum(flat.numel() * flat.element_size() for flat, _ in blocks)
+                for blocks in self._blocks]
 
     def _track(self, pairs: list[tuple[int, Work]], t0: float, p2p: bool) -> None:
         """Time the sync in flight (`last_broadcast_s`) and keep what `wait` waits for."""

@@ -104,6 +104,10 @@ def generator(rt, model_dir):
     result["qkv_rows"] = engine.llm.collective_rpc(
         lambda worker: worker.model_runner.model.model.layers[0].self_attn.qkv_proj.weight.shape[0]
     )[0]
+    # resharded (tp > 1): the bytes this rank received in the second sync, against the first's
+    result["bytes_full"], result["bytes_resharded"] = engine.llm.collective_rpc(
+        lambda worker: (sum(b.numel * 4 for p in worker._llamarl_receiver.plans for b in p),
+                        worker._llamarl_receiver.bytes_per_sync))[0]
     result["buckets"] = rt.store.add("trainer/nbuckets", 0)
     result["sent_as_is"] = rt.store.add("trainer/sent_as_is", 0)
     with open(os.environ["OUT"], "w") as f:

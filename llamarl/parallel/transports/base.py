@@ -44,6 +44,15 @@ class TransportSpec:
     groups: tuple[GroupSpec, ...] = ()  # torch: the sender's group, or one per sender
     directory: str = ""  # filesystem: the shared directory (sync.transport_dir)
     timeout_s: float = 600.0
+    # Ranks per engine. With tp > 1 a sync from the second on goes to each tp rank apart
+    # (resharded: every tp rank gets only the part of each tensor it reads); receiver j is
+    # tp rank (j - 1) % tp of its engine.
+    tp: int = 1
+    reshard: bool = True  # sync.reshard: with tp > 1, send each tp rank only what it reads
+    # torch on NCCL with tp > 1: the groups of one tp rank's receivers (sender: one per tp
+    # rank, [sender, the receivers of that tp rank]; receiver: one per sender, its own tp rank)
+    tp_groups: tuple[GroupSpec, ...] = ()
+    store: tuple[str, int, str] | None = None  # the job store (host, port, prefix)
     options: dict = field(default_factory=dict, hash=False)  # a custom transport's own
 
 
@@ -62,10 +71,12 @@ class SenderTransport(ABC):
         """A sync starts: its buckets follow, in order, through `send`."""
 
     @abstractmethod
-    def send(self, tensor: torch.Tensor, tag: int) -> list[tuple[int, Work]]:
-        """Post bucket `tag` (1-D, contiguous) to every receiver; (receiver, work) pairs,
-        receiver -1 for a work that covers them all. The tensor must not change until the
-        works are done."""
+    def send(self, tensor: torch.Tensor, tag: int,
+             to: int | None = None) -> list[tuple[int, Work]]:
+        """Post bucket `tag` (1-D, contiguous) to every receiver, or with `to` only to the
+        receivers of that tp rank (whose message `tag` it then is; resharded syncs);
+        (receiver, work) pairs, receiver -1 for a work that covers several. The tensor must not
+        change until the works are done."""
 
     def lost(self) -> set[int]:
         """Receivers that are gone for good (their sends are forgiven)."""
@@ -86,6 +97,11 @@ class ReceiverTransport(ABC):
         """A sync's receives are about to be posted."""
 
     @abstractmethod
-    def receive(self, tensor: torch.Tensor, sender: int, tag: int) -> Work:
+    def receive(self, tensor: torch.Tensor, sender: int, tag: int, own: bool = False) -> Work:
         """Post the receive of bucket `tag` of `sender` into `tensor` (1-D, contiguous,
-        written by the time the work's wait() returns)."""
+        written by the time the work's wait() returns); `own`: the message sent to this
+        receiver's tp rank alone (send's `to`)."""
+
+    @property
+    def tp_rank(self) -> int:
+        return (self.spec.me - 1) % self.spec.tp

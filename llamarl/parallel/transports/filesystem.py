@@ -4,7 +4,8 @@ a cluster where the trainers and the engines cannot join one NCCL group; default
 directory).
 
     <dir>/s<r>/<sync>/b<tag>.safetensors     bucket `tag` of sync `sync` from trainer rank r
-    <dir>/s<r>/<sync>/b<tag>.ack<j>          receiver j has read it
+    <dir>/s<r>/<sync>/b<tag>.t<k>.safetensors  the same, for the tp rank k receivers alone
+    <dir>/s<r>/<sync>/b<tag>[.t<k>].ack<j>   receiver j has read it
 
 A sender writes each bucket to a temporary name and renames it, so a receiver never reads a
 half-written file; its send is over once the file is there (the trainer does not wait for
@@ -58,19 +59,27 @@ class Sender(SenderTransport):
                 pass
         self._old.append(here)
 
-    def send(self, tensor: torch.Tensor, tag: int) -> list[tuple[int, Work]]:
-        path = _sync_dir(self.spec, self.spec.me, self.sync) / f"b{tag}.safetensors"
+    def send(self, tensor: torch.Tensor, tag: int,
+             to: int | None = None) -> list[tuple[int, Work]]:
+        path = _sync_dir(self.spec, self.spec.me, self.sync) / _name(tag, to)
         tmp = path.with_suffix(".tmp")
         save_file({_KEY: tensor.detach().to("cpu")}, str(tmp))
         os.replace(tmp, path)  # atomic: a receiver sees the whole file or none
         return [(-1, Done())]
 
 
-class _FileReceive:
-    """A posted receive: wait() waits for the file, reads it into `tensor`, acks it."""
+def _name(tag: int, to: int | None) -> str:
+    """Bucket `tag` for every receiver, or for tp rank `to`'s alone (resharded syncs)."""
+    return f"b{tag}.safetensors" if to is None else f"b{tag}.t{to}.safetensors"
 
-    def __init__(self, spec: TransportSpec, path: Path, tensor: torch.Tensor):
-        self.spec, self.path, self.tensor = spec, path, tensor
+
+class _FileReceive:
+    """A posted receive: wait() waits for the file, reads it into `tensor`, acks it.
+    `readers`: the receivers that read this file."""
+
+    def __init__(self, spec: TransportSpec, path: Path, tensor: torch.Tensor,
+                 readers: list[int]):
+        self.spec, self.path, self.tensor, self.readers = spec, path, tensor, readers
         self.done = False
 
     def wait(self) -> bool:
@@ -100,7 +109,7 @@ class _FileReceive:
         """Leave this receiver's ack; the last of them removes the bucket and the acks."""
         base = self.path.with_suffix("")
         Path(f"{base}.ack{self.spec.me}").touch()
-        acks = [Path(f"{base}.ack{j}") for j in range(1, self.spec.receivers + 1)]
+        acks = [Path(f"{base}.ack{j}") for j in self.readers]
         if all(a.exists() for a in acks):
             for p in (self.path, *acks):
                 p.unlink(missing_ok=True)
@@ -114,6 +123,8 @@ class Receiver(ReceiverTransport):
     def begin(self) -> None:
         self.sync += 1
 
-    def receive(self, tensor: torch.Tensor, sender: int, tag: int) -> Work:
-        path = _sync_dir(self.spec, sender, self.sync) / f"b{tag}.safetensors"
-        return _FileReceive(self.spec, path, tensor)
+    def receive(self, tensor: torch.Tensor, sender: int, tag: int, own: bool = False) -> Work:
+        path = _sync_dir(self.spec, sender, self.sync) / _name(tag, self.tp_rank if own else None)
+        readers = [j for j in range(1, self.spec.receivers + 1)
+                   if not own or (j - 1) % self.spec.tp == self.tp_rank]
+        return _FileReceive(self.spec, path, tensor, readers)

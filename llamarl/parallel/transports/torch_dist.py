@@ -48,6 +48,9 @@ class Sender(SenderTransport):
         self.point_to_point = point_to_point(self.group)
         self.members = members or Members(lambda: self.group)
         self._targets: list[tuple[int, dist.ProcessGroup, int]] = []
+        # broadcasts to one tp rank's receivers (NCCL, tp > 1; point to point needs none)
+        self.tp_groups = ([] if self.point_to_point else
+                          [make_group(g) for g in spec.tp_groups])
 
     @classmethod
     def over(cls, group: dist.ProcessGroup, members: Members | None = None) -> Sender:
@@ -57,15 +60,19 @@ class Sender(SenderTransport):
     def begin(self) -> None:
         self._targets = self.members.targets() if self.point_to_point else []
 
-    def send(self, tensor: torch.Tensor, tag: int) -> list[tuple[int, Work]]:
+    def send(self, tensor: torch.Tensor, tag: int,
+             to: int | None = None) -> list[tuple[int, Work]]:
         """A receiver whose send cannot even be posted (gloo raises at once when the peer
         has closed its connection) is left out of the rest of this sync; its failure is
         settled by the sender (forgiven once the receiver is declared lost)."""
         if not self.point_to_point:
-            return [(-1, w) for w in post_to_all(self.group, tensor, tag, False)]
+            group = self.group if to is None else self.tp_groups[to]
+            return [(-1, w) for w in post_to_all(group, tensor, tag, False)]
         works = []
         for target in list(self._targets):
             receiver, group, dst = target
+            if to is not None and (dst - 1) % self.spec.tp != to:
+                continue
             try:
                 works.append((receiver, group.send([tensor], dst, tag)))
             except RuntimeError as e:
@@ -84,6 +91,7 @@ class Receiver(ReceiverTransport):
         self._p2p = [point_to_point(g) for g in self.groups]
         # NCCL: a broadcast posted early would hold the GPU while the engine generates
         self.posts_early = all(self._p2p)
+        self.tp_groups = [] if self.posts_early else [make_group(g) for g in spec.tp_groups]
 
     @classmethod
     def over(cls, groups: list[dist.ProcessGroup]) -> Receiver:
@@ -91,5 +99,7 @@ class Receiver(ReceiverTransport):
         return cls(TransportSpec("torch", groups[0].rank(), len(groups), groups[0].size() - 1),
                    groups)
 
-    def receive(self, tensor: torch.Tensor, sender: int, tag: int) -> Work:
+    def receive(self, tensor: torch.Tensor, sender: int, tag: int, own: bool = False) -> Work:
+        if own and not self._p2p[sender]:  # NCCL: the broadcast to this tp rank's receivers
+            return post_from_root(self.tp_groups[sender], tensor, tag, False)
         return post_from_root(self.groups[sender], tensor, tag, self._p2p[sender])
