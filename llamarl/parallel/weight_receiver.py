@@ -232,20 +232,24 @@ class WeightReceiver:
             solo = solo_bytes_of(self.solo_mb)
             self.slices = [plan_buckets(slice_plan(metas, needs), self.bucket_mb << 20, solo)
                            for metas in self.metas_by_sender]
-            self.slice_flats = [[torch.empty(b.numel, dtype=DTYPES_BY_NAME[b.dtype],
-                                             device=self.device) for b in plan]
-                                for plan in self.slices]
-            self.slice_copies = []
+            # A bucket of one block that is contiguous where it lands (rows of a piece: a
+            # column-parallel weight's) is received there; the others into a buffer, copied.
+            self.slice_flats, self.slice_copies = [], []
             for s, plan in enumerate(self.slices):
-                copies = []
-                for b, bucket in enumerate(plan):
-                    dsts, srcs = [], []
-                    for sm, off in bucket.entries:
-                        piece = next(v for s2, _, _, v in self.pieces[sm.name] if s2 == s)
-                        dsts.append(sm.of(piece))
-                        srcs.append(self.slice_flats[s][b][off:off + sm.numel]
-                                    .view(sm.piece_shape))
-                    copies.append((dsts, srcs))
+                flats, copies = [], []
+                for bucket in plan:
+                    dsts = [sm.of(next(v for s2, _, _, v in self.pieces[sm.name] if s2 == s))
+                            for sm, _ in bucket.entries]
+                    if len(dsts) == 1 and dsts[0].is_contiguous():
+                        flats.append(dsts[0].view(-1))
+                        copies.append(([], []))
+                        continue
+                    flat = torch.empty(bucket.numel, dtype=DTYPES_BY_NAME[bucket.dtype],
+                                       device=self.device)
+                    flats.append(flat)
+                    copies.append((dsts, [flat[off:off + sm.numel].view(sm.piece_shape)
+                                          for sm, off in bucket.entries]))
+                self.slice_flats.append(flats)
                 self.slice_copies.append(copies)
         spec = self.transport.spec
         if spec.store is not None:

@@ -186,7 +186,8 @@ class WeightSender:
         if tp == 1 or not self.transport.spec.reshard or self.syncs == 0:
             return [(None, None)]
         if self._blocks is None:
-            self._blocks = [self._plan_blocks(needs) for needs in self._read_needs(tp)]
+            local = self._local_tensors()
+            self._blocks = [self._plan_blocks(needs, local) for needs in self._read_needs(tp)]
         return list(enumerate(self._blocks))
 
     def _read_needs(self, tp: int) -> list[dict | None]:
@@ -203,12 +204,22 @@ class WeightSender:
             by_rank[k] = text
         return [None if text == "full" else json.loads(text) for text in by_rank]
 
-    def _plan_blocks(self, needs: dict | None) -> list | None:
+    def _plan_blocks(self, needs: dict | None, local: dict[str, torch.Tensor]) -> list | None:
+        """Buckets of the blocks `needs` asks for: (send buffer, [(SliceMeta, its view)]),
+        or (None, [(SliceMeta, None)]) for a block sent straight from this rank's shard (one
+        that travels alone, contiguous there, in the wire dtype: rows of a column-parallel
+        weight; the guard covers it like any direct send)."""
         if needs is None:
             return None
         out = []
         for bucket in plan_buckets(slice_plan(self.metas, needs), self._bucket_bytes,
                                    self._solo_bytes):
+            if len(bucket.entries) == 1:
+                sm = bucket.entries[0][0]
+                block = sm.of(local[sm.name])
+                if block.is_contiguous() and str(block.dtype) == bucket.dtype:
+                    out.append((None, [(sm, None)]))
+                    continue
             flat = torch.empty(bucket.numel, dtype=DTYPES_BY_NAME[bucket.dtype],
                                device=self.device)
             out.append((flat, [(sm, flat[off:off + sm.numel].view(sm.piece_shape))
@@ -220,6 +231,10 @@ class WeightSender:
         """Pack each bucket of tp rank `to`'s blocks (cast to the wire dtype) and send it."""
         works = []
         for b, (flat, entries) in enumerate(blocks):
+            if flat is None:  # straight from the shard
+                (sm, _), = entries
+                works += self.transport.send(sm.of(local[sm.name]).view(-1), b, to)
+                continue
             torch._foreach_copy_([view for _, view in entries],
                                  [sm.of(local[sm.name]) for sm, _ in entries])
             works += self.transport.send(flat, b, to)
@@ -231,7 +246,7 @@ class WeightSender:
         if self._blocks is None or self.syncs <= 1:
             return [self.bytes_per_sync]
         return [self.bytes_per_sync if blocks is None else
-                sum(flat.numel() * flat.element_size() for flat, _ in blocks)
+                sum(sm.numel * itemsize(sm.dtype) for _, entries in blocks for sm, _ in entries)
                 for blocks in self._blocks]
 
     def _track(self, pairs: list[tuple[int, Work]], t0: float, p2p: bool) -> None:
