@@ -54,6 +54,7 @@ bench: install
 	$(PY) bench/multi_turn_concurrency.py
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 3 bench/weight_sync.py --model tiny --rounds 20 --cycles 5
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 3 bench/weight_sync.py --model 100m
+	$(PY) bench/weight_reshard.py --model 100m
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 1 bench/trainer_throughput.py --model tiny
 	$(PY) bench/trainer_throughput.py --compare --model 32k --mixed --seqs 64 --micro-batch 8 --prompt-len 64 --completion-len 512 --repeats 2
 	$(PY) bench/trainer_throughput.py --compare --model 24m --mixed --seqs 512 --micro-batch 64 --prompt-len 16 --completion-len 128 --repeats 2 --nproc 2
@@ -62,6 +63,7 @@ bench: install
 
 bench-quality: install
 	$(PY) bench/async_quality.py
+	$(PY) bench/tp_quality.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
