@@ -83,3 +83,20 @@ def test_cuda_trainer_reward_model_matches_cpu(tmp_path, tiny_reward_model_dir, 
     assert out["sharded"]
     assert out["all"]["scores"].tolist() == pytest.approx(cpu.tolist(), abs=tol)
     assert out["all"]["mean"] == pytest.approx(float(cpu.mean()), abs=tol)
+
+
+@pytest.mark.skipif(gpus() < 4, reason="needs 4 GPUs: 2 trainer ranks + one engine of tp 2")
+def test_tp2_engine_weight_parity_over_nccl(tmp_path, tiny_model_dir):
+    """tests/test_weight_sync.py's tp 2 parity on GPUs: NCCL weight groups, the per-tp-rank
+    broadcast groups of the resharded second sync, vLLM's CUDA engine under the external
+    launcher."""
+    pytest.importorskip("vllm", reason="vLLM (CUDA build) is not installed")
+    import json
+
+    out = tmp_path / "parity.json"
+    proc = torchrun(4, [str(DIST / "weight_sync_parity.py")], timeout=900, OUT=out,
+                    MODEL_DIR=tiny_model_dir, RUNS=tmp_path / "runs", TP=2)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(out.read_text())
+    assert r["greedy_match"] and r["max_abs_dlogprob"] <= 1e-3, r
+    assert r["qkv_rows"] == 128 and r["bytes_resharded"] < 0.6 * r["bytes_full"], r
