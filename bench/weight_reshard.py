@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from weight_sync import build_model_dir  # noqa: E402  (bench/ is not a package)
+from weight_sync import sharded_policy  # noqa: E402  (bench/ is not a package)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,17 +99,8 @@ def worker(args) -> None:
 
 
 def trainer(rt, args) -> None:
-    from llamarl.parallel.fsdp import apply_fsdp
-    from llamarl.trainer.loop import init_trainer_group, open_weight_sender
-    from llamarl.trainer.policy import load_policy
-
     r = rt.role.index
-    mesh = init_trainer_group(rt)
-    if r == 0:
-        rt.store.set("bench/model", build_model_dir(args.model))
-    model = load_policy(rt.wait_key("bench/model"), "float32")
-    apply_fsdp(model, mesh, torch.float32)
-    sender = open_weight_sender(rt, model)
+    model, sender = sharded_policy(rt, args.model)
     times = []
     for i in range(args.rounds + 2):
         torch.distributed.barrier()

@@ -113,20 +113,27 @@ RAW_CHUNK_MB = 64
 METHODS = ("sync", "raw", "raw_p2p", "raw_single")
 
 
-def trainer(rt, args) -> None:
+def sharded_policy(rt, kind: str):
+    """The bench model (--model `kind`) in float32, FSDP2-sharded over the trainer ranks, and
+    this rank's weight sender (the training loop's own)."""
     from llamarl.parallel.fsdp import apply_fsdp
-    from llamarl.parallel.groups import broadcast, post_to_all
-    from llamarl.parallel.weight_plan import OTHER_TAGS
     from llamarl.trainer.loop import init_trainer_group, open_weight_sender
     from llamarl.trainer.policy import load_policy
 
-    r = rt.role.index
     mesh = init_trainer_group(rt)
-    if r == 0:
-        rt.store.set("bench/model", build_model_dir(args.model))
+    if rt.role.index == 0:
+        rt.store.set("bench/model", build_model_dir(kind))
     model = load_policy(rt.wait_key("bench/model"), "float32")
     apply_fsdp(model, mesh, torch.float32)
-    sender = open_weight_sender(rt, model)
+    return model, open_weight_sender(rt, model)
+
+
+def trainer(rt, args) -> None:
+    from llamarl.parallel.groups import broadcast, post_to_all
+    from llamarl.parallel.weight_plan import OTHER_TAGS
+
+    r = rt.role.index
+    model, sender = sharded_policy(rt, args.model)
     rt.store.set(f"bench/shard_bytes/{r}", str(sender.bytes_per_sync))
     shares = [int(rt.wait_key(f"bench/shard_bytes/{t}")) for t in range(rt.layout.trainer_ranks)]
     nbytes = sum(shares)  # the whole model: every trainer's shards

@@ -46,30 +46,37 @@ def test_two_engines_two_trainers_async_with_aipo(tmp_path, cache_dir):
     assert [e["step"] for e in evals] == [0, 5]
 
 
-def test_two_host_launch_moves_rollouts_and_weights_across_hosts(tmp_path, cache_dir):
+def two_host_launch(args: list[str], per_node: int, cache_dir, timeout: float = 600) -> str:
+    """Two torchrun agents of `per_node` ranks each on loopback, as on two hosts; returns
+    their output once both succeeded."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    args = ["-m", "llamarl.launch", RECIPE, "run.steps=3", "trainer.ranks=1", SOLO,
-            f"run.output_dir={tmp_path}", *SMALL]
     agents = []
     for _ in range(2):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
-               "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-               "--rdzv-id=two-host-test", "--max-restarts=0", *args]
+               f"--nproc-per-node={per_node}", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two-host-test",
+               "--max-restarts=0", *args]
         agents.append(subprocess.Popen(cmd, cwd=ROOT, env=child_env(LLAMARL_CACHE=cache_dir),
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                        text=True))
         time.sleep(0.5)
     try:
-        outs = [a.communicate(timeout=600)[0] for a in agents]
+        outs = [a.communicate(timeout=timeout)[0] for a in agents]
     finally:
         for a in agents:
             a.kill()
     out = "\n".join(outs)
     assert all(a.returncode == 0 for a in agents), out[-5000:]
+    return out
+
+
+def test_two_host_launch_moves_rollouts_and_weights_across_hosts(tmp_path, cache_dir):
+    out = two_host_launch(["-m", "llamarl.launch", RECIPE, "run.steps=3", "trainer.ranks=1",
+                           SOLO, f"run.output_dir={tmp_path}", *SMALL], 1, cache_dir)
     assert "e0t0 over gloo (cross-host)" in out, out[-3000:]
     run, rows = metrics_of(tmp_path)
     assert [r["policy_version"] for r in rows] == [1, 2, 3]

@@ -6,14 +6,10 @@ tests/test_weight_sync.py.)"""
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
-import time
 
 import pytest
-from conftest import ROOT, child_env, torchrun
-from test_async_e2e import SMALL, SOLO, metrics_of
+from conftest import torchrun
+from test_async_e2e import SMALL, SOLO, metrics_of, two_host_launch
 
 pytestmark = pytest.mark.slow
 RECIPE = "recipes/tiny_grpo_tp2_cpu.yaml"
@@ -85,27 +81,8 @@ def test_two_host_launch_with_a_tp_engine(tmp_path, cache_dir):
     """Two torchrun agents of 2 ranks each on loopback, as on two hosts: the trainer ranks on
     host 0 and the tp 2 engine on host 1, so weights and rollouts cross hosts and the engine's
     own world stays on its host."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    args = ["-m", "llamarl.launch", RECIPE, "run.steps=2", SOLO, f"run.output_dir={tmp_path}",
-            *SMALL]
-    agents = []
-    for _ in range(2):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
-               "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-               "--rdzv-id=two-host-tp", "--max-restarts=0", *args]
-        agents.append(subprocess.Popen(cmd, cwd=ROOT, env=child_env(LLAMARL_CACHE=cache_dir),
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                       text=True))
-        time.sleep(0.5)
-    try:
-        outs = [a.communicate(timeout=900)[0] for a in agents]
-    finally:
-        for a in agents:
-            a.kill()
-    out = "\n".join(outs)
-    assert all(a.returncode == 0 for a in agents), out[-5000:]
+    out = two_host_launch(["-m", "llamarl.launch", RECIPE, "run.steps=2", SOLO,
+                           f"run.output_dir={tmp_path}", *SMALL], 2, cache_dir, timeout=900)
     assert "e0t0 over gloo (cross-host)" in out and "e0t1 over gloo (cross-host)" in out, \
         out[-3000:]
     rows = _check_run(tmp_path, 2)

@@ -65,7 +65,7 @@ def test_float32_master_weights_travel_in_the_engine_dtype():
     from llamarl.parallel.transports.base import Done, SenderTransport, TransportSpec
 
     class Nowhere(SenderTransport):  # what the sender packed is checked here, not its travel
-        def send(self, tensor, tag):
+        def send(self, tensor, tag, to=None):
             return [(-1, Done())]
 
     narrow.transport = Nowhere(TransportSpec("nowhere", 0, 1, 1))
@@ -111,7 +111,7 @@ def test_large_pieces_are_sent_from_the_parameter_and_the_optimizer_waits_for_th
     class Broadcasts(SenderTransport):  # one collective per bucket, as NCCL's
         point_to_point = False
 
-        def send(self, tensor, tag):
+        def send(self, tensor, tag, to=None):
             events.append(tensor.data_ptr())
             return [(-1, Pending(tensor))]
 

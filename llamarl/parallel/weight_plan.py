@@ -12,6 +12,7 @@ same plan from the same metas: bucket b of sender r is message b (its tag) from 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 import torch
@@ -46,10 +47,7 @@ class TensorMeta:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.piece_shape:
-            n *= s
-        return n
+        return math.prod(self.piece_shape)
 
 
 @dataclass(frozen=True)
@@ -203,10 +201,7 @@ class SliceMeta:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.piece_shape:
-            n *= s
-        return n
+        return math.prod(self.piece_shape)
 
     def of(self, piece: torch.Tensor) -> torch.Tensor:
         """This block of `piece` (a view: the sender's local rows, or the receiver's copy)."""

@@ -174,14 +174,7 @@ class WeightReceiver:
         if self.replay is not None and self.targets is self.flats and self._moved():
             self.replay = None  # the engine moved: record again (all bytes go to self.flats)
         if self.replay is not None:
-            with torch.no_grad():
-                for b in range(max(len(w) for w in works)):  # round robin over senders
-                    for s, sender_works in enumerate(works):
-                        if b < len(sender_works):
-                            sender_works[b].wait()
-                            dsts, srcs = self.replay[s][b]
-                            if dsts:
-                                torch._foreach_copy_(dsts, srcs)
+            _copy_as_they_arrive(works, self.replay)
             return len(self.order)
         if self.problem is not None:
             model.load_weights(self._arrivals(works))
@@ -259,14 +252,7 @@ class WeightReceiver:
 
     def _unpack_slices(self, works: list[list[Work]]) -> None:
         """Wait for each block and copy it to its place in the receive buffers."""
-        with torch.no_grad():
-            for b in range(max((len(w) for w in works), default=0)):
-                for s, sender_works in enumerate(works):
-                    if b < len(sender_works):
-                        sender_works[b].wait()
-                        dsts, srcs = self.slice_copies[s][b]
-                        if dsts:
-                            torch._foreach_copy_(dsts, srcs)
+        _copy_as_they_arrive(works, self.slice_copies)
 
     @property
     def bytes_per_sync(self) -> int:
@@ -346,3 +332,16 @@ class WeightReceiver:
         if whole and dst.is_contiguous() and dst.dtype == flat.dtype and dst.device == flat.device:
             return dst.view(-1)
         return None
+
+
+def _copy_as_they_arrive(works: list[list[Work]], copies: list[list[tuple[list, list]]]) -> None:
+    """Wait for bucket b of each sender in turn (round robin over the senders, as they were
+    posted) and run its copies `copies[s][b]` = (dsts, srcs) as soon as it is there."""
+    with torch.no_grad():
+        for b in range(max((len(w) for w in works), default=0)):
+            for s, sender_works in enumerate(works):
+                if b < len(sender_works):
+                    sender_works[b].wait()
+                    dsts, srcs = copies[s][b]
+                    if dsts:
+                        torch._foreach_copy_(dsts, srcs)
