@@ -67,9 +67,9 @@ class Runtime:
         """One end of the weight sync (parallel/transports): trainer rank `me` with its group
         `groups[0]`, or receiver `me` with one group per trainer rank (torch transport)."""
         sync, layout = self.cfg.sync, self.layout
-        # filesystem: a directory of this launch's own (a restarted job starts afresh)
-        directory = Path(sync.transport_dir or self.run_dir / "weight_sync") / \
-            self.prefix.replace("/", "-")
+        # filesystem: a directory of this launch's own (run_id is new at every launch, a
+        # restart's included), so no run reads the files of another sharing transport_dir
+        directory = Path(sync.transport_dir or self.run_dir / "weight_sync") / self.run_id
         tp_groups: list[GroupSpec] = []
         if layout.tp > 1 and default_backend(self.device) == "nccl":
             # resharded syncs broadcast to one tp rank's receivers: [trainer r, tp rank k of

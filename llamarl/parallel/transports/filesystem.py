@@ -13,8 +13,8 @@ the engines to read it). A receiver's receive waits for the file when the loader
 it, reads it into place and leaves its ack; the receiver that completes the acks removes the
 bucket and the acks (the sender removes a sync's directory once it is empty). The job store
 still carries the announcements and the shard layouts: only the bytes go through files. The
-directory is per launch (Runtime.weight_transport adds the job's incarnation), so a restarted
-job never reads a file of the one before.
+directory is per launch (Runtime.weight_transport adds the launch's run id), so neither a
+restarted job nor another run sharing sync.transport_dir ever reads a file of this one.
 """
 
 from __future__ import annotations
