@@ -76,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(SILENT_RANK_GRACE_S)
         return 2
 
+    if not joining:
+        from llamarl.launch.supervisor import supervise, wants_supervisor
+        if wants_supervisor(cfg, layout, env):  # an engine the job can lose, under torchrun
+            return supervise(argv, cfg, layout, env)
+
     from llamarl.launch.runtime import SetupError, setup  # heavy imports start here
 
     try:

@@ -1,0 +1,106 @@
+"""Under torchrun, an engine rank that the job can lose runs as a child of a small supervisor.
+
+torchrun's agent stops every rank of the job the moment one of its workers exits non-zero,
+before llamarl can drop a lost engine and go on without it (sync.engine_loss=continue,
+launch/roster.py). So under torchrun a generator rank of a job that survives engine losses is
+two processes: the supervisor (this module; the process torchrun started and watches, light:
+no vLLM, no model) and the rank itself, its child, which runs `python -m llamarl.launch` as
+before (`LLAMARL_SUPERVISED=1`: it does not supervise itself).
+
+    child exits 0                      -> the supervisor exits 0
+    child dies (kill -9, OOM, a crash)
+      and the job declares it lost     -> the supervisor says so in one line and exits 0: to
+                                          torchrun this worker has finished, the others go
+                                          on, and `--join RUN_DIR` can replace the engine
+      and the job cannot go on         -> the supervisor exits with the child's code: the
+                                          job stops (and restarts under --max-restarts)
+    torchrun stops the job (SIGTERM)   -> passed on to the child, whose code is returned
+
+The other ranks' watchdogs watch the child (its pid is the rank's, `proc/<rank>`). The child
+dies with its supervisor (PR_SET_PDEATHSIG), so no rank outlives a supervisor that is killed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from llamarl.config import Config
+from llamarl.launch.dist_env import DistEnv
+from llamarl.launch.layout import Layout
+
+SUPERVISED = "LLAMARL_SUPERVISED"
+_PR_SET_PDEATHSIG = 1
+
+
+def wants_supervisor(cfg: Config, layout: Layout, env: DistEnv) -> bool:
+    """A generator rank under torchrun whose loss the job survives (runtime.
+    survives_engine_loss), not already the supervised child."""
+    if env.launcher != "torchrun" or os.environ.get(SUPERVISED):
+        return False
+    if layout.role_of(env.rank).role != "generator":
+        return False
+    import torch
+
+    from llamarl.launch.runtime import survives_engine_loss
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return survives_engine_loss(cfg, layout, device)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL this process when its parent (the supervisor) dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:  # not Linux: the child's watchdog still ends it once the job is gone
+        pass
+
+
+def supervise(argv: list[str], cfg: Config, layout: Layout, env: DistEnv) -> int:
+    """Run this rank as a child process; return the exit code torchrun should see."""
+    child = subprocess.Popen([sys.executable, "-m", "llamarl.launch", *argv],
+                             env={**os.environ, SUPERVISED: "1"}, preexec_fn=_die_with_parent)
+    stopping = []
+
+    def pass_on(signum, _frame) -> None:
+        stopping.append(signum)
+        child.send_signal(signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, pass_on)
+    code = child.wait()
+    if code == 0 or stopping:
+        return code
+    name = f"rank {env.rank} ({layout.role_of(env.rank).name})"
+    how = f"signal {-code}" if code < 0 else f"exit code {code}"
+    if _declared_lost(env, cfg.sync.dead_peer_s + 15.0):
+        print(f"llamarl: {name}: its process died ({how}) and the job goes on without it; "
+              "this worker ends well so that torchrun keeps the others (replace the engine: "
+              "python -m llamarl.launch --join RUN_DIR)", file=sys.stderr, flush=True)
+        return 0
+    return code if code > 0 else 128 - code
+
+
+def _declared_lost(env: DistEnv, within_s: float) -> bool:
+    """Whether the job marks this rank lost (`done/<rank>` = "lost", set by the watchdog that
+    finds it dead) within `within_s`."""
+    from torch.distributed import PrefixStore
+
+    from llamarl.parallel.groups import connect_store
+
+    try:
+        store = PrefixStore(f"llamarl/{env.restart}",
+                            connect_store(env.master_addr, env.master_port, 10.0))
+        deadline = time.monotonic() + within_s
+        key = f"done/{env.rank}"
+        while time.monotonic() < deadline:
+            if store.check([key]) and store.get(key) == b"lost":
+                return True
+            time.sleep(0.2)
+    except Exception:  # noqa: BLE001 - the store is gone: the job is over, not going on
+        return False
+    return False
