@@ -299,6 +299,10 @@ class SyncConfig:
     # tp 1 in batch mode with gloo weight groups (CPU) continue; otherwise a loss stops the
     # job, which recovers from its last checkpoint under torchrun --max-restarts / requeue.
     engine_loss: str = "continue"
+    # Under torchrun, an engine whose process died is replaced by itself, this many times per
+    # engine rank (launch/supervisor.py: as `python -m llamarl.launch --join RUN_DIR` would);
+    # 0: the job goes on without it until you start a replacement.
+    engine_restarts: int = 2
 
 
 @dataclass
@@ -431,6 +435,8 @@ def validate(cfg: Config) -> Config:
         _fail("sync.transport", cfg.sync.transport,
               "use torch, filesystem, or the import path of a module with Sender and Receiver "
               "classes (llamarl/parallel/transports/base.py)")
+    if cfg.sync.engine_restarts < 0:
+        _fail("sync.engine_restarts", cfg.sync.engine_restarts, "must be >= 0")
     if cfg.sync.max_staleness < cfg.sync.every - 1:
         _fail("sync.max_staleness", cfg.sync.max_staleness,
               f"with weights sent every {cfg.sync.every} steps (sync.every) samples are up to "

@@ -88,6 +88,8 @@ def test_cli_overrides_beat_yaml(tmp_path):
     (["algorithm.correction=vtrace"], ["algorithm.correction", "aipo"]),
     (["generator.tp=0"], ["generator.tp", "> 0"]),
     (["sync.solo_mb=0"], ["sync.solo_mb", "> 0"]),
+    (["sync.engine_restarts=-1"], ["sync.engine_restarts", ">= 0"]),
+    (["sync.transport=nfs"], ["sync.transport", "filesystem"]),
     (["generator.block_size=24"], ["generator.block_size", "multiple of 16"]),
     (["reward.weights=[1,2]"], ["reward.weights"]),
     (["reward.functions=[gsm8]"], ["reward.functions", "gsm8k", "module:function"]),

@@ -53,11 +53,10 @@ def _wait_for_rows(tmp_path: Path, procs, n: int) -> Path:
     raise AssertionError(f"the run never reached step {n}")
 
 
-def _lose_and_replace(procs, tmp_path: Path, cache_dir, lose,
-                      survivors=None) -> tuple[Path, list[str]]:
-    """At step KILL_AT `lose(run)` an engine, then start a replacement with --join; returns
-    the run directory and the outputs of `survivors` (default: every process but the last,
-    the engine lost) and the replacement, after checking that they all finished well."""
+def _lose_and_replace(procs, tmp_path: Path, cache_dir, lose) -> tuple[Path, list[str]]:
+    """At step KILL_AT `lose(run)` the last rank (an engine), then start a replacement with
+    --join; returns the run directory and the outputs of the other ranks and the replacement,
+    after checking that they all finished well."""
     joiner = None
     try:
         run = _wait_for_rows(tmp_path, procs, KILL_AT)
@@ -65,7 +64,7 @@ def _lose_and_replace(procs, tmp_path: Path, cache_dir, lose,
         joiner = subprocess.Popen([sys.executable, "-m", "llamarl.launch", "--join", str(run)],
                                   cwd=ROOT, env=child_env(LLAMARL_CACHE=cache_dir),
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        finishing = (*(procs[:-1] if survivors is None else survivors), joiner)
+        finishing = (*procs[:-1], joiner)
         outs = [p.communicate(timeout=600)[0] for p in finishing]
     finally:
         for p in (*procs, *([joiner] if joiner else [])):
@@ -155,29 +154,29 @@ def _wait_for_loss(run: Path, procs, engines: int, timeout: float = 120.0) -> No
     raise AssertionError("the loss was never declared")
 
 
-def test_under_torchrun_a_killed_engine_is_dropped_and_replaced(tmp_path, cache_dir):
+def test_under_torchrun_a_killed_engine_is_dropped_and_replaced_by_itself(tmp_path, cache_dir):
     """torchrun stops every worker once one exits non-zero, so each engine rank runs as the
-    child of a supervisor (launch/supervisor.py) that ends well once the job has declared its
-    engine lost: SIGKILL engine 1's process (the rank, not torchrun's worker), the run goes on
-    with engine 0, and a replacement started with --join takes slot 1 back."""
+    child of a supervisor (launch/supervisor.py): SIGKILL engine 1's process (the rank, not
+    torchrun's worker); the job declares it lost and goes on with engine 0, the supervisor
+    starts a replacement (sync.engine_restarts), and it takes slot 1 back."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
            "-m", "llamarl.launch", RECIPE, f"run.output_dir={tmp_path}", "trainer.ranks=1",
            "generator.engines=2", f"run.steps={STEPS}", "run.eval_every=20",
            "data.eval_prompts=64"]
     job = subprocess.Popen(cmd, cwd=ROOT, env=child_env(LLAMARL_CACHE=cache_dir),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-    def lose(run: Path) -> None:
+    try:
+        run = _wait_for_rows(tmp_path, [job], KILL_AT)
         ranks = [json.loads(x) for x in (run / "ranks.jsonl").read_text().splitlines()]
         (pid,) = [r["pid"] for r in ranks if r["rank"] == 2]  # engine 1, under its supervisor
         os.kill(pid, signal.SIGKILL)
-        _wait_for_loss(run, [job], 2)
-
-    run, outs = _lose_and_replace([job], tmp_path, cache_dir, lose, survivors=[job])
-    out = "\n".join(outs)
+        out = job.communicate(timeout=600)[0]
+    finally:
+        job.kill()
+    assert job.returncode == 0, out[-6000:]
     assert "rank 2 (generator 1) died" in out and "goes on with 1 of 2 engines" in out, out[-3000:]
-    assert "this worker ends well so that torchrun keeps the others" in out, out[-3000:]
-    assert "back in the job" in outs[1], outs[1][-3000:]
+    assert "while a replacement starts (sync.engine_restarts: 1 left)" in out, out[-3000:]
+    assert "back in the job" in out and "handed slot 1 back at batch" in out, out[-3000:]
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     live = [r["engines_live"] for r in rows]

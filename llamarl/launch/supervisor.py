@@ -9,11 +9,14 @@ before (`LLAMARL_SUPERVISED=1`: it does not supervise itself).
 
     child exits 0                      -> the supervisor exits 0
     child dies (kill -9, OOM, a crash)
-      and the job declares it lost     -> the supervisor says so in one line and exits 0: to
-                                          torchrun this worker has finished, the others go
-                                          on, and `--join RUN_DIR` can replace the engine
+      and the job declares it lost     -> the supervisor says so in one line and starts a
+                                          replacement as its next child (`--join RUN_DIR`,
+                                          sync.engine_restarts times per rank; not once the
+                                          trainers are done); after the last, it exits 0: to
+                                          torchrun this worker has finished, the others go on
       and the job cannot go on         -> the supervisor exits with the child's code: the
                                           job stops (and restarts under --max-restarts)
+    a replacement fails otherwise      -> exits 0: the job goes on without this engine
     torchrun stops the job (SIGTERM)   -> passed on to the child, whose code is returned
 
 The other ranks' watchdogs watch the child (its pid is the rank's, `proc/<rank>`). The child
@@ -23,6 +26,7 @@ dies with its supervisor (PR_SET_PDEATHSIG), so no rank outlives a supervisor th
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -62,41 +66,65 @@ def _die_with_parent() -> None:
 
 def supervise(argv: list[str], cfg: Config, layout: Layout, env: DistEnv) -> int:
     """Run this rank as a child process; return the exit code torchrun should see."""
-    child = subprocess.Popen([sys.executable, "-m", "llamarl.launch", *argv],
-                             env={**os.environ, SUPERVISED: "1"}, preexec_fn=_die_with_parent)
-    stopping = []
+    name = f"rank {env.rank} ({layout.role_of(env.rank).name})"
+    cmd = [sys.executable, "-m", "llamarl.launch", *argv]
+    restarts_left, replacing = cfg.sync.engine_restarts, False
+    stopping: list[int] = []
+    child: subprocess.Popen | None = None
 
     def pass_on(signum, _frame) -> None:
         stopping.append(signum)
-        child.send_signal(signum)
+        if child is not None:
+            child.send_signal(signum)
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, pass_on)
-    code = child.wait()
-    if code == 0 or stopping:
-        return code
-    name = f"rank {env.rank} ({layout.role_of(env.rank).name})"
-    how = f"signal {-code}" if code < 0 else f"exit code {code}"
-    if _declared_lost(env, cfg.sync.dead_peer_s + 15.0):
-        print(f"llamarl: {name}: its process died ({how}) and the job goes on without it; "
-              "this worker ends well so that torchrun keeps the others (replace the engine: "
-              "python -m llamarl.launch --join RUN_DIR)", file=sys.stderr, flush=True)
-        return 0
-    return code if code > 0 else 128 - code
+    while True:
+        child = subprocess.Popen(cmd, env={**os.environ, SUPERVISED: "1"},
+                                 preexec_fn=_die_with_parent)
+        code = child.wait()
+        if code == 0 or stopping:
+            return code
+        how = f"signal {-code}" if code < 0 else f"exit code {code}"
+        store = _job_store(env)
+        if store is None or not _declared_lost(store, env.rank, cfg.sync.dead_peer_s + 15.0):
+            if replacing:  # a replacement that failed must not end a job that went on
+                print(f"llamarl: {name}: its replacement failed ({how}); the job goes on "
+                      "without this engine", file=sys.stderr, flush=True)
+                return 0
+            return code if code > 0 else 128 - code
+        run = json.loads(store.get("run"))["dir"]
+        if restarts_left == 0 or store.check(["trainer/final_version"]):
+            print(f"llamarl: {name}: its process died ({how}) and the job goes on without it; "
+                  "this worker ends well so that torchrun keeps the others (replace the engine: "
+                  f"python -m llamarl.launch --join {run})", file=sys.stderr, flush=True)
+            return 0
+        restarts_left -= 1
+        print(f"llamarl: {name}: its process died ({how}); the job goes on without it while a "
+              f"replacement starts (sync.engine_restarts: {restarts_left} left)",
+              file=sys.stderr, flush=True)
+        cmd, replacing = [sys.executable, "-m", "llamarl.launch", "--join", run], True
 
 
-def _declared_lost(env: DistEnv, within_s: float) -> bool:
-    """Whether the job marks this rank lost (`done/<rank>` = "lost", set by the watchdog that
-    finds it dead) within `within_s`."""
+def _job_store(env: DistEnv):
+    """The job's store (prefixed as the ranks use it), or None when it is gone."""
     from torch.distributed import PrefixStore
 
     from llamarl.parallel.groups import connect_store
 
     try:
-        store = PrefixStore(f"llamarl/{env.restart}",
-                            connect_store(env.master_addr, env.master_port, 10.0))
-        deadline = time.monotonic() + within_s
-        key = f"done/{env.rank}"
+        return PrefixStore(f"llamarl/{env.restart}",
+                           connect_store(env.master_addr, env.master_port, 10.0))
+    except Exception:  # noqa: BLE001 - the store is gone: the job is over, not going on
+        return None
+
+
+def _declared_lost(store, rank: int, within_s: float) -> bool:
+    """Whether the job marks `rank` lost (`done/<rank>` = "lost", set by the watchdog that
+    finds it dead) within `within_s`."""
+    deadline = time.monotonic() + within_s
+    key = f"done/{rank}"
+    try:
         while time.monotonic() < deadline:
             if store.check([key]) and store.get(key) == b"lost":
                 return True
