@@ -46,8 +46,8 @@ def wants_supervisor(cfg: Config, layout: Layout, env: DistEnv) -> bool:
     survives_engine_loss), not already the supervised child."""
     if env.launcher != "torchrun" or os.environ.get(SUPERVISED):
         return False
-    if layout.role_of(env.rank).role != "generator":
-        return False
+    if layout.role_of(env.rank).role != "generator" or layout.engines < 2 or layout.tp > 1:
+        return False  # (the cheap part of survives_engine_loss, before importing torch)
     import torch
 
     from llamarl.launch.runtime import survives_engine_loss
@@ -80,8 +80,10 @@ def supervise(argv: list[str], cfg: Config, layout: Layout, env: DistEnv) -> int
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, pass_on)
     while True:
+        # its own process group: torchrun signals the worker's group (killpg) and a terminal
+        # its foreground group, and the child must get each signal once, passed on from here
         child = subprocess.Popen(cmd, env={**os.environ, SUPERVISED: "1"},
-                                 preexec_fn=_die_with_parent)
+                                 preexec_fn=_die_with_parent, start_new_session=True)
         code = child.wait()
         if code == 0 or stopping:
             return code
