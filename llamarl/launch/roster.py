@@ -11,7 +11,7 @@ A replacement engine (`python -m llamarl.launch --join RUN_DIR`) takes its slot 
 
 The state is one JSON value in the job store (`roster`), changed under a store lock; every
 change bumps its `epoch`, which names the weight groups built for the engines alive then
-(parallel/weight_sync.py). A slot is made by one engine at a time: `slot/<s>/holder` names
+(trainer/weight_members.py). A slot is made by one engine at a time: `slot/<s>/holder` names
 it, and is cleared when the holder is lost or hands the slot over.
 """
 
