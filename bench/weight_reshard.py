@@ -129,15 +129,12 @@ def generator(rt, args) -> None:
     """Both tp ranks receive and load each sync themselves, in the same order (loading calls
     no collective of the engine, so no leader needs to drive them)."""
     from llamarl.generator.engine import Engine
-    from llamarl.generator.loop import _engine_world, join_weight_groups
-    from llamarl.launch.runtime import free_port
+    from llamarl.generator.loop import engine_world, join_weight_groups
     from llamarl.parallel.weight_sync import announced_version
 
     k = rt.role.tp_rank
-    if k == 0:
-        rt.store.set("engine/0/port", str(free_port()))
     engine = Engine(rt.wait_key("bench/model"), rt.cfg.generator, "float32", seed=0,
-                    on_cpu=rt.on_cpu, world=_engine_world(rt))
+                    on_cpu=rt.on_cpu, world=engine_world(rt))
     join_weight_groups(rt, engine)
     for i in range(args.rounds + 2):
         rt.wait_key(f"wsync/version/{i}")

@@ -54,12 +54,24 @@ from llamarl.rollout.source import RolloutSource, SourceContext, build_source
 from llamarl.timeline import Timeline
 
 
-def _engine_world(rt: Runtime) -> EngineWorld | None:
+def engine_world(rt: Runtime) -> EngineWorld | None:
+    """The private world of this rank's engine (None for tp 1): its leader picks the port and
+    publishes it; the other tp ranks read it. An engine's tp ranks share a node (checked by
+    the layout), so loopback reaches the leader."""
     if rt.layout.tp == 1:
         return None
-    # An engine's tp ranks share a node (checked by the layout), so loopback reaches the leader.
-    port = int(rt.wait_key(f"engine/{rt.role.index}/port"))
+    key = f"engine/{rt.role.index}/port"
+    if rt.role.is_engine_leader:
+        rt.store.set(key, str(free_port()))
+    port = int(rt.wait_key(key))
     return EngineWorld(rt.role.tp_rank, rt.layout.tp, "127.0.0.1", port, rt.env.local_rank)
+
+
+def engine_commands(rt: Runtime) -> EngineCommands:
+    """The command stream of this rank's tp > 1 engine (generator/tp.py); built by all its
+    tp ranks at once."""
+    return EngineCommands(rt.group_spec(f"engine{rt.role.index}/commands", rt.role.tp_rank,
+                                        rt.layout.tp), rt.store)
 
 
 def check_lengths(prompts, max_new_tokens: int, max_model_len: int) -> None:
@@ -138,14 +150,12 @@ def rejoin(rt: Runtime, weights: WeightFollower, first_sync: int) -> None:
 def run_generator(rt: Runtime) -> None:
     cfg, g, e = rt.cfg, rt.cfg.generator, rt.role.index
     leader = rt.role.is_engine_leader
-    if rt.layout.tp > 1 and leader:
-        rt.store.set(f"engine/{e}/port", str(free_port()))
     data = read_prompt_data(rt)
     model_path = rt.wait_key("model/path")
     t0 = time.perf_counter()
     threads = threads_for(cfg, rt.layout, rt.role.rank) if rt.on_cpu else 0
     engine = Engine(model_path, g, cfg.model.dtype, seed=cfg.run.seed + e, on_cpu=rt.on_cpu,
-                    world=_engine_world(rt), sequences=largest_call(rt, len(data.held_out)),
+                    world=engine_world(rt), sequences=largest_call(rt, len(data.held_out)),
                     engines_on_host=local_ranks(rt.layout, rt.role.rank, "generator"),
                     threads=threads)
     log(rt, f"vLLM engine up in {time.perf_counter() - t0:.1f} s ({model_path}"
@@ -157,8 +167,7 @@ def run_generator(rt: Runtime) -> None:
     if rt.layout.tp == 1:
         return lead(rt, engine, data, model_path, first_sync)
     # tp > 1 (generator/tp.py): the leader runs the loop, its tp ranks make its engine calls
-    commands = EngineCommands(rt.group_spec(f"engine{e}/commands", rt.role.tp_rank,
-                                            rt.layout.tp), rt.store)
+    commands = engine_commands(rt)
     if not leader:
         n = follow_leader(engine, commands)
         log(rt, f"followed {n} engine commands of the leader of engine {e}")

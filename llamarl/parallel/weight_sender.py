@@ -145,11 +145,11 @@ class WeightSender:
             self._announced += 1
         t0 = time.perf_counter()
         works = []
-        routes = self._routes()
-        whole = [to for to, sliced in routes if sliced is None]  # who gets the full plan
-        self.transport.begin()
         with torch.no_grad():
             local = self._local_tensors()
+            routes = self._routes(local)
+            whole = [to for to, sliced in routes if sliced is None]  # who gets the full plan
+            self.transport.begin()
             for b, (bucket, slots, flat, shapes) in enumerate(zip(
                     self.buckets, self._slots, self._flats, self._shapes)):
                 if not whole:
@@ -177,7 +177,7 @@ class WeightSender:
         self._track(works, t0, self.transport.point_to_point)
 
     # -- resharded syncs (tp > 1 engines, weight_plan.Needs) ------------------------------
-    def _routes(self) -> list[tuple[int | None, list | None]]:
+    def _routes(self, local: dict[str, torch.Tensor]) -> list[tuple[int | None, list | None]]:
         """Where this sync goes: [(None, None)], the full plan to every receiver; or, with
         tp > 1 from the second sync on, one route per tp rank k: (k, the blocks k reads, as
         (flat buffer, [(SliceMeta, its view of the buffer)]) per bucket), or (k, None) for a
@@ -186,7 +186,6 @@ class WeightSender:
         if tp == 1 or not self.transport.spec.reshard or self.syncs == 0:
             return [(None, None)]
         if self._blocks is None:
-            local = self._local_tensors()
             self._blocks = [self._plan_blocks(needs, local) for needs in self._read_needs(tp)]
         return list(enumerate(self._blocks))
 
@@ -216,8 +215,7 @@ class WeightSender:
                                    self._solo_bytes):
             if len(bucket.entries) == 1:
                 sm = bucket.entries[0][0]
-                block = sm.of(local[sm.name])
-                if block.is_contiguous() and str(block.dtype) == bucket.dtype:
+                if _sendable_as_is(sm.of(local[sm.name]), bucket, self.device):
                     out.append((None, [(sm, None)]))
                     continue
             flat = torch.empty(bucket.numel, dtype=DTYPES_BY_NAME[bucket.dtype],

@@ -55,18 +55,15 @@ def trainer(rt, model_dir):
 
 def generator(rt, model_dir):
     from llamarl.generator.engine import Engine
-    from llamarl.generator.loop import _engine_world, join_weight_groups
-    from llamarl.generator.tp import EngineCommands, follow_leader
-    from llamarl.launch.runtime import free_port
+    from llamarl.generator.loop import engine_commands, engine_world, join_weight_groups
+    from llamarl.generator.tp import follow_leader
 
     tp = rt.layout.tp
-    if tp > 1 and rt.role.is_engine_leader:
-        rt.store.set("engine/0/port", str(free_port()))
     engine = Engine(model_dir, rt.cfg.generator, "float32", seed=0, on_cpu=rt.on_cpu,
-                    world=_engine_world(rt))
+                    world=engine_world(rt))
     join_weight_groups(rt, engine)
     if tp > 1:
-        commands = EngineCommands(rt.group_spec("engine0/commands", rt.role.tp_rank, tp), rt.store)
+        commands = engine_commands(rt)
         if not rt.role.is_engine_leader:
             follow_leader(engine, commands)
             return
