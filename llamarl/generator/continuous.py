@@ -136,7 +136,7 @@ class Meter:
 
     def reset(self) -> None:
         self.t0 = time.perf_counter()
-        self.busy_s = 0.0
+        self.busy_s = self.load_s = self.held_s = 0.0
         self.steps = self.running_sum = 0
         self.stale = self.uninformative = self.filled = 0
         self.recomputed0 = self.engine.recomputed_tokens
@@ -152,6 +152,10 @@ class Meter:
         wall = max(time.perf_counter() - self.t0, 1e-9)
         return {"continuous": 1.0,
                 "engine_busy_s": self.busy_s, "wall_s": wall,
+                # not stepping: loading weights (or blocked for them), and held back with
+                # nothing admissible (the trainer has no room, or a new group could not be
+                # fresh where it would land: the trainer is the bottleneck)
+                "engine_load_s": self.load_s, "engine_held_s": self.held_s,
                 "in_flight_mean": self.running_sum / max(self.steps, 1),
                 "version_spread_sum": float(sum(spreads)),
                 "spanning_samples": float(sum(1 for x in spreads if x > 0)),
@@ -177,7 +181,7 @@ def run_continuous(rt: Runtime, engine, scorer, source, loader, weights, channel
     engine.version = weights.version
     engine.begin(sampler_seed(cfg.run.seed, "continuous", b, e))
     try:
-        while weights.follow(need=b - k):
+        while _timed_follow(weights, b - k, meter):
             # only the trainer's final weights are left to load (follow() has just asked the
             # store and keeps the answer: no second round trip per engine step)
             if weights.final is not None:
@@ -201,7 +205,9 @@ def run_continuous(rt: Runtime, engine, scorer, source, loader, weights, channel
                 pool.submit(loader.next(1)[0])
             if not pool.busy:
                 rt.watchdog.check()
+                t0 = time.perf_counter()
                 time.sleep(_IDLE_S)
+                meter.held_s += time.perf_counter() - t0
                 continue
             t0, reward0 = time.perf_counter(), pool.reward_s
             running, stepped = engine.running, engine.busy
@@ -213,6 +219,14 @@ def run_continuous(rt: Runtime, engine, scorer, source, loader, weights, channel
             ready += _keep(rt, done, meter)
     finally:
         engine.abort_all()
+
+
+def _timed_follow(weights, need: int, meter: Meter) -> bool:
+    t0 = time.perf_counter()
+    try:
+        return weights.follow(need=need)
+    finally:
+        meter.load_s += time.perf_counter() - t0
 
 
 def _keep(rt: Runtime, done: list[ScoredGroup], meter: Meter) -> list[ScoredGroup]:

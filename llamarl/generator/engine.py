@@ -76,11 +76,24 @@ class _Request:
             self.marked = upto
 
 
-def _completion(c) -> Completion:
-    """A vLLM CompletionOutput as token ids, the sampled tokens' logprobs and the text."""
-    ids = list(c.token_ids)
-    lps = [step[tok].logprob for tok, step in zip(ids, c.logprobs)]
-    return Completion(ids, lps, c.finish_reason or "length", c.text)
+def _sampling_params(**kw):
+    """vLLM SamplingParams for our samples: plain temperature sampling (top_p = 1, top_k off:
+    the trainer recomputes the logprobs of exactly that softmax), the sampled token's logprob
+    only, in vLLM's flat form, and no detokenisation: vLLM would decode every token and every
+    logprob's token to text as it goes (13% of the tiny model's engine time, profiled);
+    the text of a finished sample is decoded once instead (_text)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(top_p=1.0, top_k=0, logprobs=0, flat_logprobs=True,
+                          detokenize=False, **kw)
+
+
+def _sampled_logprobs(ids: list[int], logprobs) -> list[float]:
+    """The sampled tokens' logprobs from a CompletionOutput's (flat) logprobs: with
+    logprobs=0 vLLM keeps exactly one entry per position, the sampled token's."""
+    assert len(logprobs.logprobs) == len(ids) and logprobs.token_ids == ids, \
+        "vLLM returned other logprobs than one per sampled token"
+    return list(logprobs.logprobs)
 
 
 def sampler_seed(run_seed: int, purpose: str, step: int, engine: int, round_: int = 0) -> int:
@@ -238,12 +251,11 @@ class Engine:
         CPU they crash once vLLM preempts a request or chunks a prefill (it rewinds the
         request's generator with set_offset, which CPU generators do not have).
         """
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import TokensPrompt
 
         paused = self.pause()  # requests in flight (continuous mode): continue them after
         self.begin(seed)
-        params = SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0,
-                                max_tokens=max_tokens, logprobs=0)
+        params = _sampling_params(n=n, temperature=temperature, max_tokens=max_tokens)
         try:
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                                         params, use_tqdm=False)
@@ -253,7 +265,17 @@ class Engine:
                                f"({_first_line(e)})") from e
         if paused:
             self.resume()
-        return [[_completion(c) for c in out.outputs] for out in outputs]
+        return [[self._completion(c) for c in out.outputs] for out in outputs]
+
+    def _completion(self, c) -> Completion:
+        """A vLLM CompletionOutput as token ids, the sampled tokens' logprobs and the text."""
+        ids = list(c.token_ids)
+        return Completion(ids, _sampled_logprobs(ids, c.logprobs), c.finish_reason or "length",
+                          self._text(ids))
+
+    def _text(self, ids: list[int]) -> str:
+        # what vLLM's incremental detokeniser gives at the end (skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     @spmd
     def begin(self, seed: int) -> None:
@@ -280,15 +302,15 @@ class Engine:
         self._add(request_id, req)
 
     def _add(self, request_id: str, req: _Request) -> None:
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         # FINAL_ONLY: vLLM builds no output for a running request (streaming every token cost
         # 12% of the tiny model's tokens/s); a weight load reads its tokens so far from
         # vLLM's request state instead (_running_states)
-        params = SamplingParams(n=1, temperature=req.temperature, top_p=1.0, top_k=0,
-                                max_tokens=req.max_tokens - len(req.token_ids), logprobs=0,
-                                output_kind=RequestOutputKind.FINAL_ONLY)
+        params = _sampling_params(n=1, temperature=req.temperature,
+                                  max_tokens=req.max_tokens - len(req.token_ids),
+                                  output_kind=RequestOutputKind.FINAL_ONLY)
         req.vllm_id = f"{request_id}#{req.restarts}"
         self.llm.llm_engine.add_request(
             req.vllm_id, TokensPrompt(prompt_token_ids=req.prompt_ids + req.token_ids), params)
@@ -312,13 +334,10 @@ class Engine:
             c = out.outputs[0]
             ids = list(c.token_ids)
             req.mark(len(ids), self.version)
-            lps = [lp[tok].logprob for tok, lp in zip(ids, c.logprobs)]
-            text = c.text
-            if req.restarts:  # the text of the whole sample, not of its last continuation
-                text = self.tokenizer.decode(req.token_ids + ids, skip_special_tokens=True)
+            lps = _sampled_logprobs(ids, c.logprobs)
             done.append((request_id, Completion(
-                req.token_ids + ids, req.logprobs + lps, c.finish_reason or "length", text,
-                [(n, v) for n, v in req.spans])))
+                req.token_ids + ids, req.logprobs + lps, c.finish_reason or "length",
+                self._text(req.token_ids + ids), [(n, v) for n, v in req.spans])))
         return done
 
     @property
@@ -384,9 +403,8 @@ class Engine:
                 continue
             ids = list(state.detokenizer.output_token_ids)
             req.mark(len(ids), self.version)
-            lps = state.logprobs_processor.logprobs
             req.token_ids += ids
-            req.logprobs += [lps[i][tok].logprob for i, tok in enumerate(ids)]
+            req.logprobs += _sampled_logprobs(ids, state.logprobs_processor.logprobs)
             req.marked = 0
         self.llm.llm_engine.abort_request([r.vllm_id for r in self._requests.values()])
         self._paused = list(self._requests)

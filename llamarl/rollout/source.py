@@ -94,6 +94,8 @@ def _continuous_metrics(parts: list[dict]) -> dict:
     return {
         # the engine stepped for this share of the time since its previous batch
         "engine_busy_share": tot["engine_busy_s"] / max(tot["wall_s"], 1e-9),
+        "engine_load_share": tot["engine_load_s"] / max(tot["wall_s"], 1e-9),
+        "engine_held_share": tot["engine_held_s"] / max(tot["wall_s"], 1e-9),
         "in_flight_mean": tot["in_flight_mean"] / len(parts),  # sequences per engine step
         # max - min policy version among a sample's tokens, and the samples with more than one
         "version_spread_mean": tot["version_spread_sum"] / samples,
