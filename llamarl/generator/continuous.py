@@ -29,6 +29,7 @@ import time
 
 from llamarl.buffer.record import episode_counts, split_groups
 from llamarl.generator.engine import Completion, sampler_seed
+from llamarl.generator.weights import fresh_version
 from llamarl.launch.runtime import Runtime
 from llamarl.rewards.dynamic_sampling import is_informative
 from llamarl.rewards.scorer import ScoredGroup, score_groups
@@ -178,6 +179,20 @@ def run_continuous(rt: Runtime, engine, scorer, source, loader, weights, channel
             else GroupPool(engine, scorer, n, g.temperature, g.max_new_tokens))
     meter = Meter(engine, pool)
     ready: list[ScoredGroup] = []
+    prefer_fresh = cfg.sync.prefer_fresh
+
+    def admissible(target: int) -> bool:
+        """Whether a group for batch `target` may start under the loaded version: never
+        older than target - k; with sync.prefer_fresh, only from the version the trainer
+        publishes just before it takes batch target - 1 while the trainer still has a batch
+        of this engine queued (it does not wait for the group meanwhile), as batch mode does.
+        Without it every group started as early as the bound allows, at staleness k."""
+        if engine.version < target - k:
+            return False
+        if not prefer_fresh or engine.version >= fresh_version(target, k, cfg.sync.every):
+            return True
+        return not any(ch.unconsumed() for ch in channels)
+
     engine.version = weights.version
     engine.begin(sampler_seed(cfg.run.seed, "continuous", b, e))
     try:
@@ -197,11 +212,11 @@ def run_continuous(rt: Runtime, engine, scorer, source, loader, weights, channel
                     continue
             # Admit a new group only if it can still be fresh where it will land: behind the
             # groups ready and running, in batch b + (ready + running) // per_engine, whose
-            # oldest token may be no older than that batch - k. Ahead of that (the trainer is
-            # the bottleneck) the engine finishes what runs and waits, rather than sampling
-            # groups that would be discarded as stale.
-            while (pool.running + n <= room_for and
-                   engine.version >= b + (len(ready) + len(pool.groups)) // per_engine - k):
+            # oldest token may be no older than that batch - k (fresher with prefer_fresh).
+            # Ahead of that (the trainer is the bottleneck) the engine finishes what runs and
+            # waits, rather than sampling groups that would be discarded as stale.
+            while pool.running + n <= room_for and admissible(
+                    b + (len(ready) + len(pool.groups)) // per_engine):
                 pool.submit(loader.next(1)[0])
             if not pool.busy:
                 rt.watchdog.check()
