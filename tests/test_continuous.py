@@ -32,6 +32,23 @@ def test_a_completion_sampled_by_two_versions_becomes_two_segments_of_one_turn()
     assert plain.versions == [9]
 
 
+def test_a_group_starts_from_fresh_weights_while_the_trainer_has_work():
+    """sync.prefer_fresh in continuous mode: a group for batch 10 at k = 2 may start from
+    version 8 (the bound) only when the trainer has nothing of this engine queued; while it
+    has, the group waits for version 9, the one the trainer publishes before taking batch 9.
+    Without prefer_fresh every group started at the bound, k versions old."""
+    from llamarl.generator.continuous import admits
+
+    queued, idle = (lambda: True), (lambda: False)
+    assert not admits(7, 10, 2, 1, True, idle)  # older than the bound: never
+    assert not admits(8, 10, 2, 1, True, queued)  # the trainer has work: wait for 9
+    assert admits(8, 10, 2, 1, True, idle)  # it would wait: the bound is allowed
+    assert admits(9, 10, 2, 1, True, queued)
+    assert admits(8, 10, 2, 1, False, queued)  # prefer_fresh off: at the bound
+    # sync.every = 2: the trainer publishes only even versions, so 8 is the freshest
+    assert admits(8, 10, 2, 2, True, queued)
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["generator.mode=continuous"], "sync.max_staleness >= 1"),
     (CONTINUOUS + ["sync.deterministic=true"], "generator.mode=batch"),

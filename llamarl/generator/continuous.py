@@ -26,6 +26,7 @@ resumed run skips the prompts that were in flight at the crash (none is trained 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from llamarl.buffer.record import episode_counts, split_groups
 from llamarl.generator.engine import Completion, sampler_seed
@@ -36,6 +37,21 @@ from llamarl.rewards.scorer import ScoredGroup, score_groups
 from llamarl.rollout.single_turn import completion_sample
 
 _IDLE_S = 0.002  # sleep while nothing runs and the trainer has no room
+
+
+def admits(version: int, target: int, k: int, every: int, prefer_fresh: bool,
+           queued: Callable[[], bool]) -> bool:
+    """Whether a prompt group for batch `target` may start under the loaded `version`: never
+    older than target - k (its oldest token bounds the sample's staleness); with
+    sync.prefer_fresh, only from the version the trainer publishes just before it takes batch
+    target - 1 (weights.fresh_version) while `queued()`, the trainer still has a batch of
+    this engine to train on and does not wait for the group meanwhile, as batch mode does.
+    Without it every group started as early as the bound allows, k versions old."""
+    if version < target - k:
+        return False
+    if not prefer_fresh or version >= fresh_version(target, k, every):
+        return True
+    return not queued()
 
 
 class GroupPool:
@@ -179,19 +195,10 @@ def run_continuous(rt: Runtime, engine, scorer, source, loader, weights, channel
             else GroupPool(engine, scorer, n, g.temperature, g.max_new_tokens))
     meter = Meter(engine, pool)
     ready: list[ScoredGroup] = []
-    prefer_fresh = cfg.sync.prefer_fresh
 
     def admissible(target: int) -> bool:
-        """Whether a group for batch `target` may start under the loaded version: never
-        older than target - k; with sync.prefer_fresh, only from the version the trainer
-        publishes just before it takes batch target - 1 while the trainer still has a batch
-        of this engine queued (it does not wait for the group meanwhile), as batch mode does.
-        Without it every group started as early as the bound allows, at staleness k."""
-        if engine.version < target - k:
-            return False
-        if not prefer_fresh or engine.version >= fresh_version(target, k, cfg.sync.every):
-            return True
-        return not any(ch.unconsumed() for ch in channels)
+        return admits(engine.version, target, k, cfg.sync.every, cfg.sync.prefer_fresh,
+                      queued=lambda: any(ch.unconsumed() for ch in channels))
 
     engine.version = weights.version
     engine.begin(sampler_seed(cfg.run.seed, "continuous", b, e))
