@@ -1,6 +1,7 @@
 """Continuous generation against batch-level asynchronous generation, side by side in one
-invocation, on a workload with long-tailed response lengths: batch mode at k = 1 (today's
-asynchronous recipe) and k = 2, continuous at k = 2.
+invocation, on workloads with long-tailed response lengths: batch mode at k = 1 (today's
+asynchronous recipe) and k = 2, continuous at k = 2 with sync.prefer_fresh (the default: a
+group waits for fresher weights while the trainer has work) and without it.
 
 Why continuous needs k >= 2: max_staleness bounds the oldest token of a sample, so with k = 1
 a group for batch b + 1 may only start once the weights of step b are loaded, which is exactly
@@ -8,29 +9,42 @@ when batch mode starts it too; the engine cannot fill batch b's tail with the ne
 work. With k = 2 it can (generator/continuous.py admits a group when it can still be fresh in
 the batch it will land in).
 
-Workload: the tiny model randomly initialised (not warm-started), on the reverse task's
-prompts. Its responses end at EOS with a probability of about 1/45 per token, so they run from
-1 token to the 100-token cap (median about 30; the longest of a batch is several times the
-median), as RL responses do. 1 trainer rank + 1 engine (one core each on the 2-core machine),
-AIPO, packed micro-batches (so that, as in real RL, generation is the
-bottleneck), the same seed. Per mode, over the steps after --warmup:
+Workloads, on the reverse task's prompts with randomly initialised models (not warm-started):
+their responses end at EOS with a probability of a few percent per token, so they run from 1
+token to the cap (the longest of a batch is several times the median), as RL responses do.
+1 trainer rank + 1 engine (one core each on the 2-core machine), AIPO, packed micro-batches,
+the same seed, lr 1e-6: the policy barely moves, so every mode samples the same length
+distribution (at lr 1e-4 the random policy's lengths drift differently with each staleness,
+by up to 2.5x in 30 steps, and steps/s then compares different work; learning is measured by
+bench/async_quality.py).
+
+* `tiny`: the tiny model (2 layers, hidden 128), 64 prompts x 8 samples of up to 100 tokens.
+  A decode step of 512 sequences costs in proportion to them (vLLM's per-sequence Python work
+  dominates), so a batch's tail of a few long responses is cheap.
+* `deep`: 8 layers of the same width, 16 prompts x 4 samples of up to 200 tokens. A decode
+  step of 64 sequences is mostly a fixed cost (the layers' ops), as decode steps are on a
+  GPU, so a batch's tail costs nearly what its body does: the case continuous mode is for.
+
+Per mode, over the steps after --warmup:
 
 * steps/s: steps / the trainer's total step time;
 * generated tokens/s: tokens generated / the total step time;
 * engine busy share: batch mode: generate_s / the step time (the engine is busy from the first
   to the last token of a batch, waiting for its longest sample); continuous mode: the share of
   the time it spent in engine steps (engine_busy_share, weighted by each batch's wall time),
-  with the shares it spent loading weights (or blocked waiting for them) and held back with
-  nothing admissible (engine_load_share, engine_held_share);
+  with the shares it spent loading weights (or blocked until the weights a batch needs) and
+  held back with nothing admissible (engine_load_share, engine_held_share);
 * trainer wait: the trainer's mean wait for the next batch (wait_s).
 
-    python bench/continuous_generation.py [--steps 40] [--warmup 5] [key=value ...]
+    python bench/continuous_generation.py [--steps 30] [--warmup 5] [--workloads tiny deep]
+                                          [key=value ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -39,32 +53,56 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/tiny_grpo_cpu.yaml"
-WORKLOAD = ["trainer.ranks=1", "generator.engines=1", "run.eval_every=0",
-            "data.eval_prompts=16", "algorithm.correction=aipo",
-            "generator.max_new_tokens=100", "generator.max_model_len=128", "trainer.lr=1e-4",
-            "trainer.max_tokens_per_micro_batch=2048"]
+COMMON = ["trainer.ranks=1", "generator.engines=1", "run.eval_every=0", "data.eval_prompts=16",
+          "algorithm.correction=aipo", "trainer.lr=1e-6",
+          "trainer.max_tokens_per_micro_batch=2048"]
+WORKLOADS = {  # name: (model layers, recipe overrides)
+    "tiny": (2, ["generator.max_new_tokens=100", "generator.max_model_len=128"]),
+    "deep": (8, ["generator.prompts_per_step=16", "generator.samples_per_prompt=4",
+                 "generator.max_new_tokens=200", "generator.max_model_len=256"]),
+}
+MODES = {  # name: (generator.mode, max_staleness, overrides)
+    "batch_k1": ("batch", 1, []),
+    "batch_k2": ("batch", 2, []),
+    "continuous_k2": ("continuous", 2, []),
+    "continuous_k2_no_prefer_fresh": ("continuous", 2, ["sync.prefer_fresh=false"]),
+}
 
 
-def random_tiny_model() -> str:
+def random_model(layers: int) -> str:
+    """The tiny model's architecture with `layers` layers, randomly initialised (2 layers: the
+    tiny model's own initialisation), positions up to 512."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
     from llamarl.tiny.model import build_model, save_hf_dir
 
-    path = Path(tempfile.gettempdir()) / "llamarl-bench-tiny-random"
+    path = Path(tempfile.gettempdir()) / f"llamarl-bench-random-{layers}-layers"
     if not (path / "config.json").exists():
         model, tok = build_model(seed=0)
-        save_hf_dir(path, model.state_dict(), model.config, tok)
+        config = model.config
+        config.max_position_embeddings = 512
+        if layers != config.num_hidden_layers:
+            config.num_hidden_layers = layers
+            config.layer_types = ["full_attention"] * layers
+            torch.manual_seed(0)
+            model = Qwen2ForCausalLM(config)
+        save_hf_dir(path, model.state_dict(), config, tok)
     return str(path)
 
 
-def run(mode: str, k: int, steps: int, extra: list[str]) -> list[dict]:
+def run(model: str, mode: str, k: int, steps: int, overrides: list[str]) -> list[dict]:
     out = Path(tempfile.mkdtemp(prefix=f"llamarl-bench-{mode}-"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            "-m", "llamarl.launch", RECIPE, f"run.steps={steps}", f"run.output_dir={out}",
-           f"model.path={random_tiny_model()}", f"generator.mode={mode}",
-           f"sync.max_staleness={k}", *WORKLOAD, *extra]
+           f"model.path={model}", f"generator.mode={mode}", f"sync.max_staleness={k}",
+           *overrides]
     with open(out / "log.txt", "w") as log:
         subprocess.run(cmd, cwd=ROOT, check=True, stdout=log, stderr=subprocess.STDOUT)
     (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    shutil.rmtree(out, ignore_errors=True)
+    return rows
 
 
 def summary(rows: list[dict], mode: str) -> dict:
@@ -100,17 +138,24 @@ def summary(rows: list[dict], mode: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5, help="steps left out of the totals")
+    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--out", default="bench/results/continuous_generation.json")
     args, extra = ap.parse_known_args()
-    result = {"workload": WORKLOAD + extra, "steps": args.steps, "warmup": args.warmup}
-    for mode, k in (("batch", 1), ("batch", 2), ("continuous", 2)):
-        rows = run(mode, k, args.steps, extra)[args.warmup:]
-        result[f"{mode}_k{k}"] = summary(rows, mode)
-    for name in ("batch_k1", "batch_k2"):
-        result[f"continuous_k2_over_{name}"] = (result["continuous_k2"]["steps_per_s"]
-                                               / result[name]["steps_per_s"])
+    result = {"common": COMMON + extra, "steps": args.steps, "warmup": args.warmup}
+    for workload in args.workloads:
+        layers, overrides = WORKLOADS[workload]
+        model = random_model(layers)
+        res = result[workload] = {"overrides": overrides, "layers": layers}
+        for name, (mode, k, mode_overrides) in MODES.items():
+            rows = run(model, mode, k, args.steps, COMMON + overrides + mode_overrides + extra)
+            res[name] = summary(rows[args.warmup:], mode)
+            print(workload, name, json.dumps({a: round(v, 4) for a, v in res[name].items()}),
+                  flush=True)
+        for name in ("continuous_k2", "continuous_k2_no_prefer_fresh"):
+            res[f"{name}_over_batch_k1"] = (res[name]["steps_per_s"]
+                                            / res["batch_k1"]["steps_per_s"])
     print(json.dumps(result, indent=1))
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
