@@ -46,6 +46,17 @@ def test_prompt_plus_response_longer_than_the_engine_context(tmp_path, cache_dir
     assert "generator.max_model_len 16" in line and "at least 20" in line, line
 
 
+def test_engine_context_longer_than_the_model_positions_names_the_key(tmp_path):
+    """vLLM's own refusal is a pydantic ValidationError naming none of the recipe's keys."""
+    from llamarl.generator.kv_cache import check_model_context
+
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 128}')
+    check_model_context(tmp_path, 128)
+    with pytest.raises(ValueError, match=r"generator.max_model_len 256 .* context of 128 "
+                                         r"tokens .* <= 128"):
+        check_model_context(tmp_path, 256)
+
+
 def test_tokenizer_without_eos_is_refused():
     _, tok = build_model(0)
     tok.eos_token = None

@@ -27,6 +27,7 @@ from llamarl.generator.kv_cache import (
     DEFAULT_BLOCK,
     GIB,
     KVPlan,
+    check_model_context,
     kv_bytes_per_token,
     plan_kv_cache,
     sequence_bytes,
@@ -153,6 +154,7 @@ class Engine:
         from vllm import LLM
 
         sequences = sequences or cfg.prompts_per_step // cfg.engines * cfg.samples_per_prompt
+        check_model_context(model_path, cfg.max_model_len)
         self.block_size = cfg.block_size or DEFAULT_BLOCK["cpu" if on_cpu else "gpu"]
         self.bytes_per_token = kv_bytes_per_token(model_path, dtype, cfg.tp)
         self.sequences = sequences

@@ -43,6 +43,20 @@ def kv_bytes_per_token(model_path: str | Path, dtype: str, tp: int = 1) -> int:
     return 2 * cfg["num_hidden_layers"] * math.ceil(kv_heads / tp) * head_dim * DTYPE_BYTES[dtype]
 
 
+def check_model_context(model_path: str | Path, max_model_len: int) -> None:
+    """ValueError when generator.max_model_len is longer than the model's positions
+    (max_position_embeddings in its config.json): vLLM refuses such an engine with a
+    pydantic error that names none of the recipe's keys."""
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    positions = cfg.get("max_position_embeddings")
+    if positions and max_model_len > positions:
+        raise ValueError(f"generator.max_model_len {max_model_len} is longer than the model's "
+                         f"context of {int(positions)} tokens (max_position_embeddings in "
+                         f"{Path(model_path) / 'config.json'}): set generator.max_model_len "
+                         f"<= {int(positions)}")
+
+
 def sequence_bytes(max_model_len: int, block: int, bytes_per_token: int) -> int:
     """KV bytes of one sequence at full length: whole blocks of `block` tokens."""
     return math.ceil(max_model_len / block) * block * bytes_per_token
