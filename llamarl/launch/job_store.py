@@ -37,6 +37,12 @@ class StoreError(RuntimeError):
     """This rank cannot reach its own job's store; the message is the one line to print."""
 
 
+def job_prefix(restart: int | str) -> str:
+    """The prefix of every key of one incarnation of the job (torchrun restart `restart`):
+    the ranks, a supervisor and a --join replacement must all read the same keys."""
+    return f"llamarl/{restart}"
+
+
 def job_identity(environ=None) -> str:
     env = os.environ if environ is None else environ
     job = env.get("SLURM_JOB_ID", "")

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from llamarl.config import Config, load_config
 from llamarl.launch.dist_env import DistEnv
+from llamarl.launch.job_store import job_prefix
 from llamarl.launch.layout import Layout, compute_layout
 from llamarl.launch.roster import Roster
 from llamarl.parallel.groups import connect_store
@@ -43,7 +44,7 @@ def plan_join(run_dir: str, overrides: list[str]) -> tuple[Config, Layout, DistE
         raise ValueError(f"--join {run_dir}: cannot reach the job's store at {where['addr']}:"
                          f"{where['port']} ({type(e).__name__}): is the job still running, and "
                          "is this host able to reach it?") from None
-    store = dist.PrefixStore(f"llamarl/{where['restart']}", raw)
+    store = dist.PrefixStore(job_prefix(where["restart"]), raw)
     lost = Roster(store, layout.engines).read().lost
     incarnation = secrets.token_hex(3)
     engine = next((e for e in lost if store.compare_set(

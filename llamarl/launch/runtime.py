@@ -25,7 +25,7 @@ from llamarl.buffer.shm import sweep_run
 from llamarl.config import Config, config_to_yaml
 from llamarl.errors import first_line
 from llamarl.launch.dist_env import DistEnv
-from llamarl.launch.job_store import StoreError, job_identity, open_job_store
+from llamarl.launch.job_store import StoreError, job_identity, job_prefix, open_job_store
 from llamarl.launch.layout import Layout, RankRole
 from llamarl.launch.roster import Roster
 from llamarl.launch.watchdog import Watchdog
@@ -118,7 +118,7 @@ def pick_device(env: DistEnv) -> torch.device:
 
 def setup(cfg: Config, layout: Layout, env: DistEnv, joining: str = "") -> Runtime:
     role = layout.role_of(env.rank)
-    prefix = f"llamarl/{env.restart}"
+    prefix = job_prefix(env.restart)
     hosts_store = not env.agent_store and env.rank == 0
     try:
         raw = open_job_store(env, STARTUP_TIMEOUT_S)
@@ -246,7 +246,7 @@ def _restart_point(cfg: Config, env: DistEnv, raw) -> tuple[Path | None, Path | 
 
     run_dir = None
     for attempt in range(env.restart - 1, -1, -1):
-        key = f"llamarl/{attempt}/run"
+        key = f"{job_prefix(attempt)}/run"
         if env.agent_store and raw.check([key]):
             run_dir = Path(json.loads(raw.get(key))["dir"])
             break

@@ -112,10 +112,11 @@ def _job_store(env: DistEnv):
     """The job's store (prefixed as the ranks use it), or None when it is gone."""
     from torch.distributed import PrefixStore
 
+    from llamarl.launch.job_store import job_prefix
     from llamarl.parallel.groups import connect_store
 
     try:
-        return PrefixStore(f"llamarl/{env.restart}",
+        return PrefixStore(job_prefix(env.restart),
                            connect_store(env.master_addr, env.master_port, 10.0))
     except Exception:  # noqa: BLE001 - the store is gone: the job is over, not going on
         return None
