@@ -49,6 +49,26 @@ def test_a_group_starts_from_fresh_weights_while_the_trainer_has_work():
     assert admits(8, 10, 2, 2, True, queued)
 
 
+def test_a_batch_ships_complete_groups_oldest_first_without_leaving_one_past_its_deadline():
+    """pick_batch: complete groups ship in completion order among those of an age (a short
+    response overtakes a long one), but never so that a running group, or the groups older
+    than it, could no longer ship by their deadline (start version + k)."""
+    from llamarl.generator.continuous import pick_batch
+
+    # k = 2, 2 groups a batch. Batch 1: groups 0-3 started at version 0, 4-5 at version 1.
+    started = {0: 0, 1: 0, 2: 0, 3: 0, 4: 1, 5: 1}
+    assert pick_batch({4: 1}, started, 1, 2, 2) is None  # not enough complete groups
+    # 0, 1 and 3 still run: any two complete groups leave three version-0 groups for batch 2
+    assert pick_batch({2: 0, 4: 1, 5: 1}, started, 1, 2, 2) is None
+    # the oldest complete ones go first, and then 0, 1, 4 and 5 fit batches 2 and 3
+    assert pick_batch({3: 0, 2: 0, 5: 1}, started, 1, 2, 2) == [2, 3]
+    # at k = 3 the version-0 groups have until batch 3: the short ones may ship now
+    assert pick_batch({4: 1, 5: 1}, {0: 0, 1: 0, 4: 1, 5: 1}, 1, 3, 2) == [4, 5]
+    # a batch at the deadline of a running group waits for it, whatever else is complete
+    assert pick_batch({1: 1, 2: 1, 3: 2}, {0: 0, 1: 1, 2: 1, 3: 2}, 2, 2, 2) is None
+    assert pick_batch({0: 0, 1: 1, 2: 1}, {0: 0, 1: 1, 2: 1, 3: 2}, 2, 2, 2) == [0, 1]
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["generator.mode=continuous"], "sync.max_staleness >= 1"),
     (CONTINUOUS + ["sync.deterministic=true"], "generator.mode=batch"),
@@ -94,6 +114,8 @@ def test_two_engines_generate_continuously(tmp_path, cache_dir):
     for r in rows:
         assert r["staleness_max"] <= 2 and r["dropped_stale"] == 0
         assert 0 < r["engine_busy_share"] <= 1 and r["in_flight_mean"] > 0
+        assert 0 <= r["engine_due_share"] <= r["engine_busy_share"]
+        assert r["stale_groups_discarded"] == 0  # a group is never left past its deadline
         assert 0 <= r["spanning_share"] <= 1
         assert set(r["behaviour_version_by_engine"]) == {"0", "1"}
     assert rows[-1]["behaviour_version_by_engine"]["0"] >= 2

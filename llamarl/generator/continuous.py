@@ -10,13 +10,15 @@ weights. Here engine e keeps up to `in_flight_sequences` sequences running:
             under the new weights, their KV recomputed or kept: generator.in_flight_kv);
             block only while the loaded version V < b - k
         one engine step; a group is complete when its G samples are: score it
-        once the `prompts_per_step / engines` groups submitted first are complete and the
-            trainer has room: ship them as batch b, b += 1
+        once `prompts_per_step / engines` groups are complete and the trainer has room: ship
+            them as batch b (the oldest first, and never leaving a running group behind its
+            deadline: pick_batch), b += 1
 
 Each token records the version that sampled it (Completion.versions -> one Sample segment per
-span), so a sample's policy_version is its oldest token and sync.max_staleness bounds that:
-a group whose oldest token is older than b - k when batch b ships is discarded (the trainer
-would drop it) and counted. With several engines each runs this loop on its own prompt shard.
+span), so a sample's policy_version is its oldest token and sync.max_staleness bounds that: a
+group started under version v must ship by batch v + k (its deadline), and a batch waits for a
+running group only when that group, or the groups older than it, would otherwise miss theirs.
+With several engines each runs this loop on its own prompt shard.
 
 The held-out evaluation pauses the running sequences (Engine.generate) and continues them
 after. The loader's position saved with each batch is past every prompt drawn so far: a
@@ -52,6 +54,35 @@ def admits(version: int, target: int, k: int, every: int, prefer_fresh: bool,
     if not prefer_fresh or version >= fresh_version(target, k, every):
         return True
     return not queued()
+
+
+def pick_batch(ready: dict[int, int], started: dict[int, int], b: int, k: int,
+               per_batch: int) -> list[int] | None:
+    """The groups batch b ships, or None while it must wait for a running group.
+
+    `started`: every group not shipped yet (running or complete; gid -> the version loaded
+    when it started, which bounds its oldest token from below); `ready`: the complete ones
+    among them (gid -> that version). A group started under version v has the deadline v + k:
+    a later batch would find it more than k versions old.
+
+    Complete groups ship oldest first (earliest deadline first, then in order of submission),
+    so a short response may overtake a long one, but only while the groups left behind can
+    all still ship by their deadlines, `per_batch` a batch: sorted by version, the j-th
+    (0-based) of them lands in batch b + 1 + j // per_batch at the earliest, so each must have
+    v + k >= that batch. If the oldest complete groups leave that false, no choice of complete
+    groups makes it true (they leave the most old groups behind), and the batch waits for the
+    running ones. Admission keeps the groups of each deadline within the batches before it
+    (run_continuous), so a group is never discarded as stale; a long response is only shipped
+    later than the short ones started with it, never dropped (no length bias in what is
+    trained on, only in how old it is, within k)."""
+    if len(ready) < per_batch:
+        return None
+    take = sorted(ready, key=lambda gid: (ready[gid], gid))[:per_batch]
+    chosen = set(take)
+    left = sorted(v for gid, v in started.items() if gid not in chosen)
+    if any(v + k < b + 1 + j // per_batch for j, v in enumerate(left)):
+        return None
+    return sorted(take)
 
 
 class GroupPool:
@@ -153,7 +184,7 @@ class Meter:
 
     def reset(self) -> None:
         self.t0 = time.perf_counter()
-        self.busy_s = self.load_s = self.held_s = 0.0
+        self.busy_s = self.load_s = self.held_s = self.due_s = 0.0
         self.steps = self.running_sum = 0
         self.stale = self.uninformative = self.filled = 0
         self.recomputed0 = self.engine.recomputed_tokens
@@ -173,6 +204,9 @@ class Meter:
                 # nothing admissible (the trainer has no room, or a new group could not be
                 # fresh where it would land: the trainer is the bottleneck)
                 "engine_load_s": self.load_s, "engine_held_s": self.held_s,
+                # stepping while enough groups were complete for the batch, but a running
+                # group was due in it (its oldest token would be too old for the next one)
+                "engine_due_s": self.due_s,
                 "in_flight_mean": self.running_sum / max(self.steps, 1),
                 "version_spread_sum": float(sum(spreads)),
                 "spanning_samples": float(sum(1 for x in spreads if x > 0)),
@@ -194,7 +228,8 @@ def run_continuous(rt: Runtime, engine, scorer, source, loader, weights, channel
     pool = (EpisodePool(engine, source, n, g.temperature) if source is not None
             else GroupPool(engine, scorer, n, g.temperature, g.max_new_tokens))
     meter = Meter(engine, pool)
-    ready: list[ScoredGroup] = []
+    ready: list[ScoredGroup] = []  # complete groups
+    started: dict[int, int] = {}  # every group not shipped: its number -> version at start
 
     def admissible(target: int) -> bool:
         return admits(engine.version, target, k, cfg.sync.every, cfg.sync.prefer_fresh,
@@ -210,20 +245,25 @@ def run_continuous(rt: Runtime, engine, scorer, source, loader, weights, channel
                 engine.abort_all()
                 time.sleep(_IDLE_S)
                 continue
+            due = False  # the batch waits only for a running group due in it (pick_batch)
             if len(ready) >= per_engine and all(ch.unconsumed() < ch.capacity
                                                 for ch in channels):
-                shipped, ready = _ship(rt, ready, pool, per_engine, b, meter, loader,
-                                       channels, weights, timeline, to_batch, data_bad_rows)
+                shipped, ready = _ship(rt, ready, started, per_engine, b, meter, loader,
+                                       pool, channels, weights, timeline, to_batch,
+                                       data_bad_rows)
                 b += shipped
                 if shipped:
                     continue
-            # Admit a new group only if it can still be fresh where it will land: behind the
-            # groups ready and running, in batch b + (ready + running) // per_engine, whose
-            # oldest token may be no older than that batch - k (fresher with prefer_fresh).
-            # Ahead of that (the trainer is the bottleneck) the engine finishes what runs and
-            # waits, rather than sampling groups that would be discarded as stale.
+                due = len(ready) >= per_engine
+            # Admit a new group only if it can still be fresh where it lands at the latest:
+            # behind the groups not shipped yet (ready and running), in batch
+            # b + len(started) // per_engine, whose oldest token may be no older than that
+            # batch - k (fresher with prefer_fresh). This keeps the groups of each deadline
+            # within the batches before it (pick_batch). Ahead of that (the trainer is the
+            # bottleneck) the engine finishes what runs and waits.
             while pool.running + n <= room_for and admissible(
-                    b + (len(ready) + len(pool.groups)) // per_engine):
+                    b + len(started) // per_engine):
+                started[pool.submitted] = engine.version
                 pool.submit(loader.next(1)[0])
             if not pool.busy:
                 rt.watchdog.check()
@@ -235,10 +275,12 @@ def run_continuous(rt: Runtime, engine, scorer, source, loader, weights, channel
             running, stepped = engine.running, engine.busy
             done = pool.step()
             if stepped:  # (a multi-turn pool may only have polled its environment)
-                meter.busy_s += time.perf_counter() - t0 - (pool.reward_s - reward0)
+                step_s = time.perf_counter() - t0 - (pool.reward_s - reward0)
+                meter.busy_s += step_s
+                meter.due_s += step_s if due else 0.0
                 meter.steps += 1
                 meter.running_sum += running
-            ready += _keep(rt, done, meter)
+            ready += _keep(rt, done, meter, started)
     finally:
         engine.abort_all()
 
@@ -251,9 +293,10 @@ def _timed_follow(weights, need: int, meter: Meter) -> bool:
         meter.load_s += time.perf_counter() - t0
 
 
-def _keep(rt: Runtime, done: list[ScoredGroup], meter: Meter) -> list[ScoredGroup]:
+def _keep(rt: Runtime, done: list[ScoredGroup], meter: Meter,
+          started: dict[int, int]) -> list[ScoredGroup]:
     """Completed groups to keep: with dynamic sampling not those whose rewards are all equal
-    (counted: ds_dropped_groups)."""
+    (counted: ds_dropped_groups; forgotten from `started`)."""
     g = rt.cfg.generator
     if not g.dynamic_sampling:
         return done
@@ -265,35 +308,38 @@ def _keep(rt: Runtime, done: list[ScoredGroup], meter: Meter) -> list[ScoredGrou
         if not is_informative(grp.rewards):
             if meter.uninformative < give_up:
                 meter.uninformative += 1
+                del started[grp.index]
                 continue
             meter.filled += 1
         kept.append(grp)
     return kept
 
 
-def _ship(rt: Runtime, ready: list[ScoredGroup], pool, per_engine: int, b: int,
-          meter: Meter, loader, channels, weights, timeline, to_batch, data_bad_rows: int):
-    """Ship batch b: the `per_engine` complete groups submitted first, once no group
-    submitted before them still runs. Returns (shipped, the groups left); nothing is left when
-    the trainer finished while the batch waited.
+def _ship(rt: Runtime, ready: list[ScoredGroup], started: dict[int, int], per_engine: int,
+          b: int, meter: Meter, loader, pool, channels, weights, timeline, to_batch,
+          data_bad_rows: int):
+    """Ship batch b: `per_engine` complete groups chosen by pick_batch. Returns (shipped, the
+    groups left); nothing is left when the trainer finished while the batch waited.
 
-    In order of submission, not of completion: shorter groups submitted later never overtake
-    a long one, which would push long responses towards staleness and out of the batches (a
-    length bias); a group is shipped in the batch its admission counted on, fresh by
-    construction (a group still older than b - k, possible after dynamic sampling drops, is
-    discarded and counted)."""
+    A group whose oldest token is older than b - k cannot happen by pick_batch's deadlines;
+    should one (a safety net), it is discarded and counted in stale_groups_discarded."""
     k = rt.cfg.sync.max_staleness
-    fresh = [grp for grp in ready
-             if min(min((v for v in s.versions if v >= 0), default=b) for s in grp.samples)
-             >= b - k]
-    meter.stale += len(ready) - len(fresh)
-    if len(fresh) < per_engine:  # generate more first
+    fresh = []
+    for grp in ready:
+        if min(min((v for v in s.versions if v >= 0), default=b) for s in grp.samples) >= b - k:
+            fresh.append(grp)
+        else:
+            meter.stale += 1
+            del started[grp.index]
+    gids = pick_batch({grp.index: started[grp.index] for grp in fresh}, started, b, k,
+                      per_engine)
+    if gids is None:  # generate more first
         return False, fresh
-    fresh.sort(key=lambda grp: grp.index)
-    oldest_running = min(pool.groups, default=pool.submitted)
-    if sum(grp.index < oldest_running for grp in fresh) < per_engine:
-        return False, fresh  # an earlier group still runs: wait for it
-    take, rest = fresh[:per_engine], fresh[per_engine:]
+    chosen = set(gids)
+    take = sorted((grp for grp in fresh if grp.index in chosen), key=lambda grp: grp.index)
+    rest = [grp for grp in fresh if grp.index not in chosen]
+    for gid in gids:
+        del started[gid]
     for j, grp in enumerate(take):
         grp.index = j
     batch = to_batch(take, rt.role.index, b, per_engine)

@@ -96,6 +96,9 @@ def _continuous_metrics(parts: list[dict]) -> dict:
         "engine_busy_share": tot["engine_busy_s"] / max(tot["wall_s"], 1e-9),
         "engine_load_share": tot["engine_load_s"] / max(tot["wall_s"], 1e-9),
         "engine_held_share": tot["engine_held_s"] / max(tot["wall_s"], 1e-9),
+        # of the busy share: stepping while a batch's worth of groups was complete but a
+        # running one was due in the batch (long responses at their staleness deadline)
+        "engine_due_share": tot["engine_due_s"] / max(tot["wall_s"], 1e-9),
         "in_flight_mean": tot["in_flight_mean"] / len(parts),  # sequences per engine step
         # max - min policy version among a sample's tokens, and the samples with more than one
         "version_spread_mean": tot["version_spread_sum"] / samples,
