@@ -158,7 +158,7 @@ def main() -> None:
             res[name] = summary(rows[args.warmup:], mode)
             print(workload, name, json.dumps({a: round(v, 4) for a, v in res[name].items()}),
                   flush=True)
-        for name in ("continuous_k2", "continuous_k2_no_prefer_fresh"):
+        for name in [m for m in MODES if m.startswith("continuous")]:
             res[f"{name}_over_batch_k1"] = (res[name]["steps_per_s"]
                                             / res["batch_k1"]["steps_per_s"])
     print(json.dumps(result, indent=1))
