@@ -13,10 +13,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import ROOT, child_env
 
 RECIPE = "recipes/tiny_grpo_cpu.yaml"
 STEPS, KILL_AT = 60, 5
+CONTINUOUS = ["generator.mode=continuous", "sync.max_staleness=2", "algorithm.correction=aipo"]
 
 
 def _free_port() -> int:
@@ -73,12 +75,15 @@ def _lose_and_replace(procs, tmp_path: Path, cache_dir, lose) -> tuple[Path, lis
     return run, outs
 
 
-def test_a_killed_engine_is_dropped_and_a_replacement_takes_its_slot_back(tmp_path, cache_dir):
+@pytest.mark.parametrize("mode", ["batch", "continuous"])
+def test_a_killed_engine_is_dropped_and_a_replacement_takes_its_slot_back(tmp_path, cache_dir,
+                                                                          mode):
     """Kill engine 1: engine 0 makes slot 1's batches from where engine 1 stopped. Then start
     `python -m llamarl.launch --join RUN_DIR` as the runbook says: it gets the current
     weights and takes slot 1 back. The run completes every step at the same batch size, the
-    evaluation goes on, and the reward still rises."""
-    procs = _launch(tmp_path, cache_dir, _free_port(), [])
+    evaluation goes on, and the reward still rises. In continuous mode engine 0 runs the
+    groups of both slots in one pool, each shipped in its own slot's batches."""
+    procs = _launch(tmp_path, cache_dir, _free_port(), CONTINUOUS if mode == "continuous" else [])
 
     def lose(run: Path) -> None:
         procs[2].send_signal(signal.SIGKILL)  # global rank 2 = engine 1
@@ -98,10 +103,14 @@ def test_a_killed_engine_is_dropped_and_a_replacement_takes_its_slot_back(tmp_pa
 
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    # every step trained both slots' groups, on-policy: the batch never changed size
+    # every step trained both slots' groups (on-policy in batch mode): the batch never
+    # changed size
     assert all(sorted(r["behaviour_version_by_engine"]) == ["0", "1"] for r in rows), rows
-    assert all(r["policy_version"] - 1 == min(r["behaviour_version_by_engine"].values())
-               for r in rows)
+    if mode == "batch":
+        assert all(r["policy_version"] - 1 == min(r["behaviour_version_by_engine"].values())
+                   for r in rows)
+    else:
+        assert all(r["staleness_max"] <= 2 and r["dropped_stale"] == 0 for r in rows), rows
     live = [r["engines_live"] for r in rows]
     assert live[0] == 2 and 1 in live and live[-1] == 2, live
     evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]

@@ -30,8 +30,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from llamarl.buffer.record import episode_counts, split_groups
+from llamarl.buffer.record import episode_counts
 from llamarl.generator.engine import Completion, sampler_seed
+from llamarl.generator.slots import SlotSet
 from llamarl.generator.weights import fresh_version
 from llamarl.launch.runtime import Runtime
 from llamarl.rewards.dynamic_sampling import is_informative
@@ -39,6 +40,7 @@ from llamarl.rewards.scorer import ScoredGroup, score_groups
 from llamarl.rollout.single_turn import completion_sample
 
 _IDLE_S = 0.002  # sleep while nothing runs and the trainer has no room
+_REFRESH_S = 0.5  # look at the roster (slots taken over or handed back) at least this often
 
 
 def admits(version: int, target: int, k: int, every: int, prefer_fresh: bool,
@@ -215,12 +217,21 @@ class Meter:
                 "recomputed_tokens": float(self.engine.recomputed_tokens - self.recomputed0)}
 
 
-def run_continuous(rt: Runtime, engine, scorer, source, loader, weights, channels, timeline,
-                   b: int, to_batch, data_bad_rows: int) -> None:
-    """Engine e's continuous loop from batch `b` until the trainer's final version is loaded.
-    `source`: the multi-turn source (its environment workers), or None for single-turn
-    sampling scored by `scorer`. `to_batch(groups, engine, step, stride)` builds a
-    RolloutBatch (generator/loop.py)."""
+def run_continuous(rt: Runtime, engine, scorer, source, slots: SlotSet, weights, timeline,
+                   to_batch, data_bad_rows: int) -> None:
+    """Engine e's continuous loop until the trainer's final version is loaded, for the slots
+    it makes (generator/slots.py: its own, and those of lost engines it took over). `source`:
+    the multi-turn source (its environment workers), or None for single-turn sampling scored
+    by `scorer`. `to_batch(groups, slot, step, stride)` builds a RolloutBatch
+    (generator/loop.py).
+
+    Each group is drawn from one slot's prompts and ships in one of that slot's batches; a new
+    group goes to the slot whose batches are owed soonest. Slots change hands at the batch
+    boundaries of the slot (SlotSet.refresh, looked at after each batch shipped and every
+    _REFRESH_S): a slot taken over starts from the loader state its lost engine wrote before
+    its next batch; a slot handed back to a replacement leaves its running and complete groups
+    behind, unshipped (the loader state the replacement continues from is past them, as a
+    resumed run is past the groups in flight at a crash)."""
     cfg, g, e = rt.cfg, rt.cfg.generator, rt.role.index
     k, n = cfg.sync.max_staleness, g.samples_per_prompt
     per_engine = g.prompts_per_step // rt.layout.engines
@@ -229,42 +240,78 @@ def run_continuous(rt: Runtime, engine, scorer, source, loader, weights, channel
             else GroupPool(engine, scorer, n, g.temperature, g.max_new_tokens))
     meter = Meter(engine, pool)
     ready: list[ScoredGroup] = []  # complete groups
-    started: dict[int, int] = {}  # every group not shipped: its number -> version at start
+    started: dict[int, tuple[int, int]] = {}  # every group not shipped: number -> (slot,
+    # version at start)
 
     def admissible(target: int) -> bool:
         return admits(engine.version, target, k, cfg.sync.every, cfg.sync.prefer_fresh,
-                      queued=lambda: any(ch.unconsumed() for ch in channels))
+                      queued=slots.queued)
+
+    def owed(slot) -> int:  # the batch a new group of this slot lands in at the latest
+        return slot.next_batch + sum(s == slot.index for s, _ in started.values()) // per_engine
 
     engine.version = weights.version
-    engine.begin(sampler_seed(cfg.run.seed, "continuous", b, e))
+    engine.begin(sampler_seed(cfg.run.seed, "continuous", slots.first_batch, e))
+    refreshed = 0.0
     try:
-        while _timed_follow(weights, b - k, meter):
+        while True:
+            if weights.final is None and time.perf_counter() - refreshed >= _REFRESH_S:
+                slots.refresh()
+                refreshed = time.perf_counter()
+                for gid in [gid for gid, (s, _) in started.items() if s not in slots.slots]:
+                    del started[gid]  # a slot handed back: its groups stay unshipped
+                ready = [grp for grp in ready if grp.index in started]
+            if not slots.ready():  # a replacement whose slot is not handed back yet
+                if weights.follow(need=1 << 62, interrupt=slots.changed) is False:
+                    break
+                refreshed = 0.0
+                continue
+            # (a slot the roster gives another engine now makes nothing more: it is handed
+            # back once the slots kept have caught up with it, SlotSet.refresh)
+            live = sorted((sl for sl in slots.slots.values()
+                           if sl.next_batch is not None and sl.index not in slots.leaving),
+                          key=lambda sl: (sl.next_batch, sl.index))
+            got = _timed_follow(weights, live[0].next_batch - k, meter, slots.changed)
+            if got is None:  # slots changed hands while waiting (the trainer may need a
+                refreshed = 0.0  # batch of a slot this engine is taking over first)
+                continue
+            if not got:
+                break
             # only the trainer's final weights are left to load (follow() has just asked the
             # store and keeps the answer: no second round trip per engine step)
             if weights.final is not None:
                 engine.abort_all()
                 time.sleep(_IDLE_S)
                 continue
-            due = False  # the batch waits only for a running group due in it (pick_batch)
-            if len(ready) >= per_engine and all(ch.unconsumed() < ch.capacity
-                                                for ch in channels):
-                shipped, ready = _ship(rt, ready, started, per_engine, b, meter, loader,
-                                       pool, channels, weights, timeline, to_batch,
-                                       data_bad_rows)
-                b += shipped
-                if shipped:
+            due = False  # a batch waits only for a running group due in it (pick_batch)
+            shipped = False
+            for slot in live:
+                mine = [grp for grp in ready if started[grp.index][0] == slot.index]
+                if len(mine) < per_engine or any(ch.unconsumed() >= ch.capacity
+                                                 for ch in slot.channels):
                     continue
-                due = len(ready) >= per_engine
+                others = [grp for grp in ready if started[grp.index][0] != slot.index]
+                shipped, left = _ship(rt, slots, slot, mine, started, per_engine, meter, pool,
+                                      weights, timeline, to_batch, data_bad_rows)
+                ready = others + left
+                if shipped:
+                    break
+                due = due or len(left) >= per_engine
+            if shipped:
+                refreshed = 0.0  # a batch boundary: slots may change hands here
+                continue
             # Admit a new group only if it can still be fresh where it lands at the latest:
-            # behind the groups not shipped yet (ready and running), in batch
-            # b + len(started) // per_engine, whose oldest token may be no older than that
-            # batch - k (fresher with prefer_fresh). This keeps the groups of each deadline
-            # within the batches before it (pick_batch). Ahead of that (the trainer is the
-            # bottleneck) the engine finishes what runs and waits.
-            while pool.running + n <= room_for and admissible(
-                    b + len(started) // per_engine):
-                started[pool.submitted] = engine.version
-                pool.submit(loader.next(1)[0])
+            # behind its slot's groups not shipped yet (ready and running), in batch owed(),
+            # whose oldest token may be no older than that batch - k (fresher with
+            # prefer_fresh). This keeps the groups of each deadline within the batches before
+            # it (pick_batch). Ahead of that (the trainer is the bottleneck) the engine
+            # finishes what runs and waits.
+            while pool.running + n <= room_for:
+                slot = min(live, key=lambda sl: (owed(sl), sl.index))
+                if not admissible(owed(slot)):
+                    break
+                started[pool.submitted] = (slot.index, engine.version)
+                pool.submit(slot.loader.next(1)[0])
             if not pool.busy:
                 rt.watchdog.check()
                 t0 = time.perf_counter()
@@ -280,21 +327,22 @@ def run_continuous(rt: Runtime, engine, scorer, source, loader, weights, channel
                 meter.due_s += step_s if due else 0.0
                 meter.steps += 1
                 meter.running_sum += running
-            ready += _keep(rt, done, meter, started)
+            # (a group of a slot handed back meanwhile is not kept)
+            ready += _keep(rt, [grp for grp in done if grp.index in started], meter, started)
     finally:
         engine.abort_all()
 
 
-def _timed_follow(weights, need: int, meter: Meter) -> bool:
+def _timed_follow(weights, need: int, meter: Meter, interrupt) -> bool | None:
     t0 = time.perf_counter()
     try:
-        return weights.follow(need=need)
+        return weights.follow(need=need, interrupt=interrupt)
     finally:
         meter.load_s += time.perf_counter() - t0
 
 
 def _keep(rt: Runtime, done: list[ScoredGroup], meter: Meter,
-          started: dict[int, int]) -> list[ScoredGroup]:
+          started: dict[int, tuple[int, int]]) -> list[ScoredGroup]:
     """Completed groups to keep: with dynamic sampling not those whose rewards are all equal
     (counted: ds_dropped_groups; forgotten from `started`)."""
     g = rt.cfg.generator
@@ -315,15 +363,15 @@ def _keep(rt: Runtime, done: list[ScoredGroup], meter: Meter,
     return kept
 
 
-def _ship(rt: Runtime, ready: list[ScoredGroup], started: dict[int, int], per_engine: int,
-          b: int, meter: Meter, loader, pool, channels, weights, timeline, to_batch,
-          data_bad_rows: int):
-    """Ship batch b: `per_engine` complete groups chosen by pick_batch. Returns (shipped, the
-    groups left); nothing is left when the trainer finished while the batch waited.
+def _ship(rt: Runtime, slots: SlotSet, slot, ready: list[ScoredGroup],
+          started: dict[int, tuple[int, int]], per_engine: int, meter: Meter, pool, weights,
+          timeline, to_batch, data_bad_rows: int) -> tuple[bool, list[ScoredGroup]]:
+    """Ship the slot's next batch b: `per_engine` of its complete groups (`ready`), chosen by
+    pick_batch. Returns (shipped, its groups left).
 
     A group whose oldest token is older than b - k cannot happen by pick_batch's deadlines;
     should one (a safety net), it is discarded and counted in stale_groups_discarded."""
-    k = rt.cfg.sync.max_staleness
+    k, b = rt.cfg.sync.max_staleness, slot.next_batch
     fresh = []
     for grp in ready:
         if min(min((v for v in s.versions if v >= 0), default=b) for s in grp.samples) >= b - k:
@@ -331,7 +379,8 @@ def _ship(rt: Runtime, ready: list[ScoredGroup], started: dict[int, int], per_en
         else:
             meter.stale += 1
             del started[grp.index]
-    gids = pick_batch({grp.index: started[grp.index] for grp in fresh}, started, b, k,
+    gids = pick_batch({grp.index: started[grp.index][1] for grp in fresh},
+                      {gid: v for gid, (s, v) in started.items() if s == slot.index}, b, k,
                       per_engine)
     if gids is None:  # generate more first
         return False, fresh
@@ -342,7 +391,7 @@ def _ship(rt: Runtime, ready: list[ScoredGroup], started: dict[int, int], per_en
         del started[gid]
     for j, grp in enumerate(take):
         grp.index = j
-    batch = to_batch(take, rt.role.index, b, per_engine)
+    batch = to_batch(take, slot.index, b, per_engine)
     rollout = meter.metrics(take)
     if pool.metrics:  # multi-turn: tool and environment counts since the last batch; the
         # episodes and turns are the batch's own
@@ -357,11 +406,10 @@ def _ship(rt: Runtime, ready: list[ScoredGroup], started: dict[int, int], per_en
         reward_timeouts=pool.reward_timeouts - meter.timeouts0,
         rollout=rollout, tokens=int(batch.loss_mask.sum()), reward_components=rewards,
         ds_rounds=1, ds_dropped_groups=meter.uninformative, ds_filled_groups=meter.filled,
-        engine=rt.role.index, data_state=loader.state_dict(), data_epoch=loader.epoch,
-        data_bad_rows=data_bad_rows, prev_put_s=sum(ch.last_put_s for ch in channels))
-    with timeline.phase("put", b):
-        for t, part in enumerate(split_groups(batch, rt.layout.trainer_ranks)):
-            if not channels[t].put(part, abort=weights.trainer_done):
-                return False, []
+        engine=slot.index, made_by=rt.role.index, data_state=slot.loader.state_dict(),
+        data_epoch=slot.loader.epoch, data_bad_rows=data_bad_rows,
+        prev_put_s=slots.last_put_s())
+    with timeline.phase("put", b):  # (returns at once when the trainer has finished)
+        slots.put(slot, batch, abort=weights.trainer_done)
     meter.reset()
     return True, rest

@@ -216,9 +216,8 @@ def lead(rt: Runtime, engine: Engine, data: PromptData, model_path: str,
             if episodes is not None:
                 rt.watchdog.cleanups.append(episodes.close)
             try:
-                own = slots.slots[e]
-                run_continuous(rt, engine, scorer, episodes, own.loader, weights, own.channels,
-                               timeline, b, _to_batch, data.bad_row_count)
+                run_continuous(rt, engine, scorer, episodes, slots, weights, timeline,
+                               _to_batch, data.bad_row_count)
             finally:
                 if episodes is not None:
                     episodes.close()

@@ -50,6 +50,7 @@ class SlotSet:
         self.roster = Roster(rt.store, rt.layout.engines)
         self.epoch = 0
         self.slots: dict[int, Slot] = {}
+        self.leaving: set[int] = set()  # slots the roster gives another engine, not let go yet
         if not own:  # a replacement: its slot comes back through refresh()
             self.epoch = -1
             return
@@ -90,7 +91,17 @@ class SlotSet:
         if state.epoch == self.epoch and mine == set(self.slots):
             return
         self.epoch = state.epoch
-        for s in [s for s in self.slots if s not in mine]:
+        self.leaving = {s for s in self.slots if s not in mine}
+        kept = [sl.next_batch for s, sl in self.slots.items()
+                if s in mine and sl.next_batch is not None]
+        for s in sorted(self.leaving):
+            if kept and (self.slots[s].next_batch or 0) > min(kept):
+                # The trainers read the slots in step: a batch of this slot ahead of the slots
+                # kept may not be consumed before they make theirs, and across hosts (below)
+                # that would wait forever. It makes nothing more meanwhile (next(); the
+                # continuous loop skips it) and goes once they have caught up.
+                continue
+            self.leaving.discard(s)
             slot = self.slots.pop(s)
             for ch in slot.channels:
                 # Shared memory: its published batches stay until consumed, and the next
@@ -111,7 +122,8 @@ class SlotSet:
         if not self.keep_states:
             return False
         state = self.roster.read()
-        if state.epoch != self.epoch or set(state.slots_of(self.me)) != set(self.slots):
+        if (state.epoch != self.epoch
+                or set(state.slots_of(self.me)) | self.leaving != set(self.slots)):
             return True
         return any(sl.next_batch is None and all(ch.adopt() is not None for ch in sl.channels)
                    for sl in self.slots.values())
@@ -137,11 +149,13 @@ class SlotSet:
 
     def ready(self) -> bool:
         """Whether some slot's next batch is known (a takeover may still wait)."""
-        return any(sl.next_batch is not None for sl in self.slots.values())
+        return any(sl.next_batch is not None and s not in self.leaving
+                   for s, sl in self.slots.items())
 
     def next(self) -> Slot:
         """The slot whose next batch is needed first."""
-        return min((sl for sl in self.slots.values() if sl.next_batch is not None),
+        return min((sl for s, sl in self.slots.items()
+                    if sl.next_batch is not None and s not in self.leaving),
                    key=lambda sl: (sl.next_batch, sl.index))
 
     def queued(self) -> bool:

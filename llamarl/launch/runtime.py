@@ -166,12 +166,12 @@ def setup(cfg: Config, layout: Layout, env: DistEnv, joining: str = "") -> Runti
 
 def survives_engine_loss(cfg: Config, layout: Layout, device: torch.device) -> bool:
     """Whether the job goes on when an engine is lost (sync.engine_loss, docs/operations.md):
-    another engine must be left, each engine one rank (tp 1), batch generation (slots change
-    hands at batch boundaries), and gloo weight groups (sync.transport torch), whose
-    point-to-point sends can leave a member out (an NCCL broadcast cannot)."""
+    another engine must be left, each engine one rank (tp 1), and gloo weight groups
+    (sync.transport torch), whose point-to-point sends can leave a member out (an NCCL
+    broadcast cannot). Batch and continuous generation both hand slots over at batch
+    boundaries (generator/slots.py)."""
     return (cfg.sync.engine_loss == "continue" and layout.engines >= 2 and layout.tp == 1
-            and cfg.generator.mode == "batch" and default_backend(device) == "gloo"
-            and cfg.sync.transport == "torch")
+            and default_backend(device) == "gloo" and cfg.sync.transport == "torch")
 
 
 def engine_loss_excuse(cfg: Config, layout: Layout, device: torch.device):
