@@ -18,7 +18,8 @@ Each token records the version that sampled it (Completion.versions -> one Sampl
 span), so a sample's policy_version is its oldest token and sync.max_staleness bounds that: a
 group started under version v must ship by batch v + k (its deadline), and a batch waits for a
 running group only when that group, or the groups older than it, would otherwise miss theirs.
-With several engines each runs this loop on its own prompt shard.
+With several engines each runs this loop on its own prompt shard (its slot, and the slots of
+lost engines it takes over: run_continuous).
 
 The held-out evaluation pauses the running sequences (Engine.generate) and continues them
 after. The loader's position saved with each batch is past every prompt drawn so far: a
