@@ -297,7 +297,7 @@ class SyncConfig:
     dead_peer_s: float = 30.0  # a rank silent this long is declared dead
     # A lost engine (its process or node gone), with others left: `continue` without it (its
     # prompts and batches go to the others, launch/roster.py) or `stop` the job. Engines of
-    # tp 1 with gloo weight groups and sync.transport torch (CPU), in batch or continuous
+    # tp 1 on CPU (gloo) with sync.transport torch or filesystem, in batch or continuous
     # mode, continue; otherwise a loss stops the job, which recovers from its last
     # checkpoint under torchrun --max-restarts / requeue.
     engine_loss: str = "continue"

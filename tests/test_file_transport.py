@@ -14,6 +14,7 @@ from test_weight_transport import LoadingEngine
 
 from llamarl.parallel.transports import transport_module
 from llamarl.parallel.transports.base import TransportSpec
+from llamarl.parallel.transports.filesystem import read_mark
 from llamarl.parallel.weight_sync import open_weight_sync
 from llamarl.tiny.model import build_model
 
@@ -50,6 +51,55 @@ def test_syncs_travel_through_files_to_every_receiver_and_are_cleaned_up(tmp_pat
             assert engine.holds(model)
         assert receivers[0].replay is not None, receivers[0].problem
         assert not list((tmp_path / "s0").glob("*/b*")), "read by both: bucket and acks gone"
+
+
+def test_a_lost_receivers_files_are_swept_and_a_replacement_reads_from_its_first_sync(
+        tmp_path):
+    """Engines can be lost (the sender has members): receiver 2 dies and never reads, so the
+    buckets of syncs 0 and 1 keep waiting for its ack; once the members say every live
+    receiver is past them (FileMembers reads the roster and the read marks), the sender's
+    next sync removes them whole. A replacement under receiver number 2 starts at the sync
+    the trainers chose for it, and its acks complete that sync's buckets again."""
+    model, _ = build_model(0)
+    cpu = torch.device("cpu")
+    published = []
+    sender = open_weight_sync("send", _spec(tmp_path, 0), 64, cpu, 0.015625, model=model,
+                              publish_metas=published.append)
+
+    class Members:
+        done = 0  # the first sync a live receiver (or a replacement) may still read
+
+        def begin(self, sync: int) -> int:
+            return self.done
+
+    sender.transport.members = members = Members()
+    live = open_weight_sync("receive", _spec(tmp_path, 1), 64, cpu, 0.015625, metas=published)
+    live_engine = LoadingEngine()  # (later syncs replay the first load into this engine)
+    for _ in range(2):  # receiver 2 is gone
+        sender.publish(model, version=None)
+        sender.wait()
+        live.post()
+        live.load(live_engine)
+    left = sorted(p.parent.name for p in (tmp_path / "s0").glob("*/b*.safetensors"))
+    assert set(left) == {"00000000", "00000001"}  # never acked by receiver 2
+    assert read_mark(tmp_path, 1) == 0  # (sync 1 is marked when sync 2's receives are posted)
+    members.done = 2
+    replacement = open_weight_sync(
+        "receive", TransportSpec("filesystem", 2, senders=1, receivers=2,
+                                 directory=str(tmp_path), timeout_s=30.0,
+                                 options={"first_sync": 2}), 64, cpu, 0.015625,
+        metas=published)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5).add_(0.25)
+    sender.publish(model, version=None)  # sync 2: syncs 0 and 1 are swept
+    sender.wait()
+    assert sorted(p.name for p in (tmp_path / "s0").iterdir()) == ["00000002"]
+    for receiver, engine in ((live, live_engine), (replacement, LoadingEngine())):
+        receiver.post()
+        receiver.load(engine)
+        assert engine.holds(model)
+    assert not list((tmp_path / "s0").glob("*/b*")), "read by both: bucket and acks gone"
 
 
 def test_a_file_that_never_comes_is_a_one_line_error(tmp_path):

@@ -80,10 +80,37 @@ def test_which_jobs_survive_an_engine_loss():
     # continuous generation too (its slots change hands at batch boundaries as batch mode's)
     assert survives_engine_loss(_cfg("generator.mode=continuous", "sync.max_staleness=2"),
                                 layout, cpu)
-    assert not survives_engine_loss(_cfg("sync.transport=filesystem"), layout, cpu)
+    assert survives_engine_loss(_cfg("sync.transport=filesystem"), layout, cpu)  # swept
     assert not survives_engine_loss(_cfg(), layout, torch.device("cuda", 0))  # NCCL broadcast
     assert not survives_engine_loss(_cfg("generator.engines=1"), compute_layout(3, 3, 2, 1, 1),
                                     cpu)
+
+
+def test_the_filesystem_sweep_keeps_what_a_live_engine_or_a_replacement_may_still_read(
+        store, tmp_path, capsys):
+    """FileMembers (the filesystem transport with engines that can be lost): live engines
+    keep every sync past their read mark; a lost engine keeps nothing; a replacement keeps
+    the sync trainer 0 chose for it (its next) until it has read it."""
+    from types import SimpleNamespace
+
+    from llamarl.trainer.weight_members import FileMembers
+
+    layout = compute_layout(3, 3, 1, 2, 1)  # rank 0 trainer, ranks 1-2 engines 0-1
+    rt = SimpleNamespace(store=store, layout=layout, role=layout.role_of(0))
+    members = FileMembers(rt, str(tmp_path))
+    (tmp_path / "read.1").write_text("5")  # engine 0 (receiver 1) has read syncs 0-5
+    (tmp_path / "read.2").write_text("3")  # engine 1 (receiver 2) had read 0-3
+    assert members.begin(8) == 4
+    Roster(store, 2).mark_lost(1)
+    assert members.begin(8) == 6  # what engine 1 never read goes
+    store.set("join/1", "abc")  # a replacement asks to join: it starts at sync 9
+    assert members.begin(8) == 6 and store.get("join/1/abc/sync") == b"9"
+    assert "sending weights to replacement engine 1 from sync 9" in capsys.readouterr().err
+    (tmp_path / "read.1").write_text("10")
+    assert members.begin(11) == 9  # kept until the replacement has read it
+    (tmp_path / "read.2").write_text("9")
+    assert members.begin(12) == 11
+    assert store.get("join/1/abc/sync") == b"9"  # chosen once
 
 
 def test_the_excuse_drops_a_generator_but_never_a_trainer_or_the_last_engine(store, capsys):

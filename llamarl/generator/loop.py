@@ -123,14 +123,20 @@ def join_weight_groups(rt: Runtime, engine: Engine) -> int:
 def join_as_replacement(rt: Runtime, engine: Engine) -> int:
     """A replacement engine (launch/join.py) asks the trainers for its weights; trainer 0
     picks the sync they start with (trainer/weight_members.py), and this engine builds a
-    two-rank group with each trainer rank for it. Returns that sync's number."""
+    two-rank group with each trainer rank for it (the filesystem transport: reads the files
+    of that sync on). Returns that sync's number."""
     e, n, trainers = rt.role.index, rt.joining, range(rt.layout.trainer_ranks)
     rt.store.set(f"join/{e}", n)
     Roster(rt.store, rt.layout.engines).note_change()  # the trainers look again
     first = int(rt.wait_key(f"join/{e}/{n}/sync"))
-    groups = [rt.group_spec(join_group_name(r, e, n), 1, 2) for r in trainers]
-    engine.join_weight_sync(rt.weight_transport(1, groups),
-                            [rt.wait_key(f"wsync/meta/{r}") for r in trainers],
+    if rt.cfg.sync.transport == "filesystem":  # the files of the engine it replaces, from
+        # `first` on (parallel/transports/filesystem.py)
+        me = 1 + rt.layout.generator_global_ranks.index(rt.role.rank)
+        spec = rt.weight_transport(me, [], options={"first_sync": first})
+    else:
+        spec = rt.weight_transport(1, [rt.group_spec(join_group_name(r, e, n), 1, 2)
+                                       for r in trainers])
+    engine.join_weight_sync(spec, [rt.wait_key(f"wsync/meta/{r}") for r in trainers],
                             rt.cfg.sync.bucket_mb, rt.cfg.sync.solo_mb)
     return first
 

@@ -63,9 +63,11 @@ class Runtime:
         return GroupSpec(self.env.master_addr, self.env.master_port, f"{self.prefix}/{name}",
                          rank, size, default_backend(self.device), self.cfg.sync.timeout_s)
 
-    def weight_transport(self, me: int, groups: list[GroupSpec]) -> TransportSpec:
+    def weight_transport(self, me: int, groups: list[GroupSpec],
+                         options: dict | None = None) -> TransportSpec:
         """One end of the weight sync (parallel/transports): trainer rank `me` with its group
-        `groups[0]`, or receiver `me` with one group per trainer rank (torch transport)."""
+        `groups[0]`, or receiver `me` with one group per trainer rank (torch transport).
+        `options`: the transport's own (TransportSpec.options)."""
         sync, layout = self.cfg.sync, self.layout
         # filesystem: a directory of this launch's own (run_id is new at every launch, a
         # restart's included), so no run reads the files of another sharing transport_dir
@@ -85,7 +87,8 @@ class Runtime:
                              len(layout.generator_global_ranks), tuple(groups),
                              str(directory), sync.timeout_s, layout.tp, sync.reshard,
                              tuple(tp_groups),
-                             (self.env.master_addr, self.env.master_port, self.prefix))
+                             (self.env.master_addr, self.env.master_port, self.prefix),
+                             options or {})
 
     def wait_key(self, key: str, timeout_s: float = STARTUP_TIMEOUT_S) -> str:
         """Block until another rank publishes `key` (woken by the store the moment it is set).
@@ -166,12 +169,13 @@ def setup(cfg: Config, layout: Layout, env: DistEnv, joining: str = "") -> Runti
 
 def survives_engine_loss(cfg: Config, layout: Layout, device: torch.device) -> bool:
     """Whether the job goes on when an engine is lost (sync.engine_loss, docs/operations.md):
-    another engine must be left, each engine one rank (tp 1), and gloo weight groups
-    (sync.transport torch), whose point-to-point sends can leave a member out (an NCCL
-    broadcast cannot). Batch and continuous generation both hand slots over at batch
-    boundaries (generator/slots.py)."""
+    another engine must be left, each engine one rank (tp 1), and gloo (CPU): weight groups
+    whose point-to-point sends can leave a member out (sync.transport torch; an NCCL
+    broadcast cannot), or the filesystem transport, which waits for no receiver. Batch and
+    continuous generation both hand slots over at batch boundaries (generator/slots.py)."""
     return (cfg.sync.engine_loss == "continue" and layout.engines >= 2 and layout.tp == 1
-            and default_backend(device) == "gloo" and cfg.sync.transport == "torch")
+            and default_backend(device) == "gloo"
+            and cfg.sync.transport in ("torch", "filesystem"))
 
 
 def engine_loss_excuse(cfg: Config, layout: Layout, device: torch.device):

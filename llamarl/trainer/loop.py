@@ -45,7 +45,7 @@ from llamarl.trainer.policy import DTYPES, load_policy
 from llamarl.trainer.reward_model import build_reward_model
 from llamarl.trainer.rl_step import policy_step
 from llamarl.trainer.step import PolicyTrainer
-from llamarl.trainer.weight_members import EngineMembers
+from llamarl.trainer.weight_members import EngineMembers, FileMembers
 
 TRAINER_BACKEND = {"cuda": "cpu:gloo,cuda:nccl", "cpu": "gloo"}
 
@@ -89,7 +89,9 @@ def open_weight_sender(rt: Runtime, model: torch.nn.Module) -> WeightSender:
         wire_dtype=DTYPES[rt.cfg.model.dtype], lost_grace_s=sync.dead_peer_s + 5.0,
         publish_metas=lambda metas: rt.store.set(f"wsync/meta/{r}", metas_to_json(metas)))
     if survives_engine_loss(rt.cfg, rt.layout, rt.device):  # engines lost and replaced
-        sender.transport.members = EngineMembers(rt, sender.transport.group)
+        sender.transport.members = (
+            FileMembers(rt, spec.directory) if sync.transport == "filesystem"
+            else EngineMembers(rt, sender.transport.group))
     return sender
 
 

@@ -10,15 +10,23 @@ picks that sync (its next one) and writes it in `join/<e>/<n>/sync`; every train
 the choice before its own sync of that number (the trainers are in lockstep: rank r cannot
 start sync i + 1 before trainer 0 has finished sync i). The replacement builds its groups as
 soon as it reads the choice, and the trainers theirs at that sync.
+
+With the filesystem transport nobody waits for a receiver, so a lost engine cannot hang a sync;
+what it leaves behind are the files it never acked. FileMembers tells the sender which syncs
+every live engine, and every replacement about to start, has read (parallel/transports/
+filesystem.py), and trainer 0 picks a replacement's first sync the same way.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch.distributed as dist
 
 from llamarl.launch.roster import Roster, join_group_name
 from llamarl.launch.runtime import Runtime, log
 from llamarl.parallel.groups import make_group
+from llamarl.parallel.transports.filesystem import read_mark
 from llamarl.parallel.transports.torch_dist import Members
 
 
@@ -82,3 +90,38 @@ class EngineMembers(Members):
         if self.rt.role.index == 0:
             log(self.rt, f"sending weights to replacement engine {e} from sync {i}")
         return self.pairs[e][1]
+
+
+class FileMembers:
+    """The filesystem transport's sweep (filesystem.SweepMembers) for trainer rank r's syncs."""
+
+    def __init__(self, rt: Runtime, directory: str):
+        self.rt, self.directory = rt, Path(directory)
+        self.roster = Roster(rt.store, rt.layout.engines)
+        gen = rt.layout.generator_global_ranks
+        self.receiver = {e: 1 + gen.index(rt.layout.engine_global_ranks(e)[0])
+                         for e in range(rt.layout.engines)}
+
+    def begin(self, sync: int) -> int:
+        """Called at every sync: trainer 0 gives each replacement asking to join its first
+        sync (the next one); returns the first sync a live engine (past its read mark) or a
+        replacement (from its first sync, until it has read it) may still read."""
+        store, lost = self.rt.store, set(self.roster.read().lost)
+        first = sync
+        for e, receiver in self.receiver.items():
+            mark = read_mark(self.directory, receiver)
+            if e not in lost:
+                first = min(first, mark + 1)
+                continue
+            if not store.check([f"join/{e}"]):
+                continue  # lost, no replacement: what it did not read goes
+            key = f"join/{e}/{store.get(f'join/{e}').decode()}/sync"
+            if self.rt.role.index == 0 and store.compare_set(key, "", str(sync + 1)) == str(
+                    sync + 1).encode():
+                log(self.rt.role, f"sending weights to replacement engine {e} from sync "
+                                  f"{sync + 1}")
+            if store.check([key]):
+                start = int(store.get(key))
+                if mark < start:  # (a mark at or past it is the replacement's own)
+                    first = min(first, start)
+        return first

@@ -15,13 +15,26 @@ bucket and the acks (the sender removes a sync's directory once it is empty). Th
 still carries the announcements and the shard layouts: only the bytes go through files. The
 directory is per launch (Runtime.weight_transport adds the launch's run id), so neither a
 restarted job nor another run sharing sync.transport_dir ever reads a file of this one.
+
+When engines can be lost (sync.engine_loss: continue), a lost receiver's acks never come, so
+its files would stay. Each receiver then also records the last sync it has read whole,
+
+    <dir>/read.<j>                         receiver j has read every sync up to this one
+
+and the sender's `members` (trainer/weight_members.py: FileMembers, which knows the roster)
+says below which sync every live receiver, and every replacement about to start, is done:
+the sender removes those syncs' directories whole at its next sync. A replacement receives
+from the sync the trainers chose for it (TransportSpec.options["first_sync"]) under the
+receiver number of the engine it replaces, so its acks complete the buckets again.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -37,6 +50,20 @@ from llamarl.parallel.transports.base import (
 _KEY = "bucket"
 
 
+class SweepMembers(Protocol):
+    def begin(self, sync: int) -> int:
+        """Sync `sync` starts; returns the first sync that a live receiver, or a replacement
+        about to start, may still read (the sender removes every earlier one)."""
+
+
+def read_mark(directory: Path, receiver: int) -> int:
+    """The last sync receiver `receiver` has read whole (-1: none yet)."""
+    try:
+        return int((directory / f"read.{receiver}").read_text())
+    except (FileNotFoundError, ValueError):
+        return -1
+
+
 def _sync_dir(spec: TransportSpec, sender: int, sync: int) -> Path:
     return Path(spec.directory) / f"s{sender}" / f"{sync:08d}"
 
@@ -46,14 +73,19 @@ class Sender(SenderTransport):
         super().__init__(spec)
         self.sync = -1
         self._old: list[Path] = []  # directories of earlier syncs, removed once empty
+        self.members: SweepMembers | None = None  # engines can be lost (module docstring)
 
     def begin(self) -> None:
         self.sync += 1
         here = _sync_dir(self.spec, self.spec.me, self.sync)
         here.mkdir(parents=True, exist_ok=True)
+        done = self.members.begin(self.sync) if self.members is not None else -1
         for old in list(self._old):  # read by every receiver: their files are gone
             try:
-                old.rmdir()
+                if int(old.name) < done:  # what a lost receiver never acked goes too
+                    shutil.rmtree(old)
+                else:
+                    old.rmdir()
                 self._old.remove(old)
             except OSError:
                 pass
@@ -118,9 +150,17 @@ class _FileReceive:
 class Receiver(ReceiverTransport):
     def __init__(self, spec: TransportSpec):
         super().__init__(spec)
-        self.sync = -1
+        self.sync = spec.options.get("first_sync", 0) - 1  # a replacement starts later
+        self.first = self.sync + 1
 
     def begin(self) -> None:
+        """The next sync's receives are posted: the previous one has been read whole (its
+        load is over), which the sender's sweep reads (module docstring)."""
+        if self.sync >= self.first:
+            mark = Path(self.spec.directory) / f"read.{self.spec.me}"
+            tmp = mark.with_name(f"{mark.name}.tmp")  # (one per receiver)
+            tmp.write_text(str(self.sync))
+            os.replace(tmp, mark)
         self.sync += 1
 
     def receive(self, tensor: torch.Tensor, sender: int, tag: int, own: bool = False) -> Work:
