@@ -75,18 +75,18 @@ def _lose_and_replace(procs, tmp_path: Path, cache_dir, lose) -> tuple[Path, lis
     return run, outs
 
 
-@pytest.mark.parametrize("mode", ["batch", "continuous", "filesystem"])
+@pytest.mark.parametrize("mode", ["batch", "continuous_over_files"])
 def test_a_killed_engine_is_dropped_and_a_replacement_takes_its_slot_back(tmp_path, cache_dir,
                                                                           mode):
     """Kill engine 1: engine 0 makes slot 1's batches from where engine 1 stopped. Then start
     `python -m llamarl.launch --join RUN_DIR` as the runbook says: it gets the current
     weights and takes slot 1 back. The run completes every step at the same batch size, the
     evaluation goes on, and the reward still rises. In continuous mode engine 0 runs the
-    groups of both slots in one pool, each shipped in its own slot's batches. Over the
-    filesystem transport (batch mode) the buckets engine 1 never read are swept, and the
-    replacement reads from the sync chosen for it."""
-    overrides = {"batch": [], "continuous": CONTINUOUS,
-                 "filesystem": ["sync.transport=filesystem"]}[mode]
+    groups of both slots in one pool, each shipped in its own slot's batches; over the
+    filesystem transport (one run tests both, to keep the suite short) the buckets engine 1
+    never read are swept, and the replacement reads from the sync chosen for it."""
+    overrides = {"batch": [],
+                 "continuous_over_files": [*CONTINUOUS, "sync.transport=filesystem"]}[mode]
     procs = _launch(tmp_path, cache_dir, _free_port(), overrides)
 
     def lose(run: Path) -> None:
@@ -122,7 +122,7 @@ def test_a_killed_engine_is_dropped_and_a_replacement_takes_its_slot_back(tmp_pa
     assert evals[-1]["reward_mean"] > evals[0]["reward_mean"] + 0.05, evals
     run_id = run.name.split("-", 2)[-1]
     assert not list(Path("/dev/shm").glob(f"llamarl_{run_id}*"))
-    if mode == "filesystem":
+    if mode == "continuous_over_files":
         left = list((run / "weight_sync").rglob("*.safetensors"))
         assert len(left) <= 2, left  # (without the sweep: every sync of the loss)
 
