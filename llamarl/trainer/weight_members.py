@@ -30,6 +30,16 @@ from llamarl.parallel.transports.filesystem import read_mark
 from llamarl.parallel.transports.torch_dist import Members
 
 
+def replacement_start(rt: Runtime, e: int, n: str, sync: int) -> int | None:
+    """The first sync replacement n of engine e receives, read at trainer sync `sync`:
+    trainer 0 chooses its next one, the other trainer ranks read the choice (None before it
+    is made)."""
+    store, key = rt.store, f"join/{e}/{n}/sync"
+    if rt.role.index == 0:
+        store.compare_set(key, "", str(sync + 1))
+    return int(store.get(key)) if store.check([key]) else None
+
+
 class EngineMembers(Members):
     def __init__(self, rt: Runtime, group: dist.ProcessGroup):
         self.rt, self.group = rt, group
@@ -80,10 +90,8 @@ class EngineMembers(Members):
         first."""
         if self.pairs.get(e, ("",))[0] == n:
             return self.pairs[e][1]
-        store, key = self.rt.store, f"join/{e}/{n}/sync"
-        if self.rt.role.index == 0:
-            store.compare_set(key, "", str(i + 1))  # trainer 0 chooses: its next sync
-        if not store.check([key]) or int(store.get(key)) > i:
+        start = replacement_start(self.rt, e, n, i)
+        if start is None or start > i:
             return None
         spec = self.rt.group_spec(join_group_name(self.rt.role.index, e, n), 0, 2)
         self.pairs[e] = (n, make_group(spec))  # a rendezvous with the replacement
@@ -115,13 +123,12 @@ class FileMembers:
                 continue
             if not store.check([f"join/{e}"]):
                 continue  # lost, no replacement: what it did not read goes
-            key = f"join/{e}/{store.get(f'join/{e}').decode()}/sync"
-            if self.rt.role.index == 0 and store.compare_set(key, "", str(sync + 1)) == str(
-                    sync + 1).encode():
+            start = replacement_start(self.rt, e, store.get(f"join/{e}").decode(), sync)
+            if start is None:
+                continue
+            if self.rt.role.index == 0 and start == sync + 1:  # chosen just now
                 log(self.rt.role, f"sending weights to replacement engine {e} from sync "
-                                  f"{sync + 1}")
-            if store.check([key]):
-                start = int(store.get(key))
-                if mark < start:  # (a mark at or past it is the replacement's own)
-                    first = min(first, start)
+                                  f"{start}")
+            if mark < start:  # (a mark at or past it is the replacement's own)
+                first = min(first, start)
         return first
