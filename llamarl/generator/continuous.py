@@ -308,8 +308,8 @@ def run_continuous(rt: Runtime, engine, scorer, source, slots: SlotSet, weights,
             # it (pick_batch). Ahead of that (the trainer is the bottleneck) the engine
             # finishes what runs and waits.
             while pool.running + n <= room_for:
-                slot = min(live, key=lambda sl: (owed(sl), sl.index))
-                if not admissible(owed(slot)):
+                target, _, slot = min((owed(sl), sl.index, sl) for sl in live)
+                if not admissible(target):
                     break
                 started[pool.submitted] = (slot.index, engine.version)
                 pool.submit(slot.loader.next(1)[0])
