@@ -296,14 +296,14 @@ class SyncConfig:
     timeout_s: float = 1800.0  # longest a collective may block (a dead peer is found sooner)
     dead_peer_s: float = 30.0  # a rank silent this long is declared dead
     # A lost engine (its process or node gone), with others left: `continue` without it (its
-    # prompts and batches go to the others, launch/roster.py) or `stop` the job. Engines of
-    # tp 1 on CPU (gloo) with sync.transport torch or filesystem, in batch or continuous
-    # mode, continue; otherwise a loss stops the job, which recovers from its last
-    # checkpoint under torchrun --max-restarts / requeue.
+    # prompts and batches go to the others, launch/roster.py) or `stop` the job. Engines on
+    # CPU (gloo) with sync.transport torch or filesystem, in batch or continuous mode,
+    # continue (one of tp > 1 is lost whole, and not replaced); otherwise a loss stops the
+    # job, which recovers from its last checkpoint under torchrun --max-restarts / requeue.
     engine_loss: str = "continue"
     # Under torchrun, an engine whose process died is replaced by itself, this many times per
-    # engine rank (launch/supervisor.py: as `python -m llamarl.launch --join RUN_DIR` would);
-    # 0: the job goes on without it until you start a replacement.
+    # engine rank (launch/supervisor.py: as `python -m llamarl.launch --join RUN_DIR` would;
+    # engines of tp 1); 0: the job goes on without it until you start a replacement.
     engine_restarts: int = 2
 
 

@@ -84,6 +84,54 @@ def test_which_jobs_survive_an_engine_loss():
     assert not survives_engine_loss(_cfg(), layout, torch.device("cuda", 0))  # NCCL broadcast
     assert not survives_engine_loss(_cfg("generator.engines=1"), compute_layout(3, 3, 2, 1, 1),
                                     cpu)
+    # an engine of tp 2 is lost whole (its other rank leaves with it: launch/watchdog.py)
+    assert survives_engine_loss(_cfg("generator.tp=2"), compute_layout(6, 6, 2, 2, 2), cpu)
+
+
+def test_an_engine_of_two_ranks_is_excused_once_both_are_gone(store, capsys):
+    """tp 2: ranks 1-2 are engine 0, ranks 3-4 engine 1. A trainer's watchdog that finds rank
+    4 dead waits (pending) until rank 3 is gone too, then drops engine 1 whole; the other rank
+    of the dead one's engine leaves the job rather than declare it; with one engine left, a
+    loss fails the job."""
+    from llamarl.launch.runtime import engine_loss_allowed
+    from llamarl.launch.watchdog import Watchdog
+
+    layout = compute_layout(5, 5, 1, 2, 2)
+    cfg, cpu = _cfg("generator.tp=2"), torch.device("cpu")
+
+    def watchdog(rank: int) -> Watchdog:
+        return Watchdog(lambda: store, rank, layout, 30.0,
+                        excuse=engine_loss_excuse(cfg, layout, cpu),
+                        can_lose=engine_loss_allowed(cfg, layout, cpu))
+
+    class Ended(Exception):  # leave() and _die() end the process (tests/test_tp.py runs it)
+        pass
+
+    def end(how):
+        def ending(cause, *_):
+            raise Ended(f"{how}: {cause}")
+        return ending
+
+    leader = watchdog(1)  # engine 0's leader: its mate is rank 2
+    assert leader.mates == {2}
+    leader.leave, leader._die = end("left"), end("failed")
+    with pytest.raises(Ended, match=r"left: rank 2 \(generator 0 \(tp rank 1\)\) died"):
+        leader._fault(2, "rank 2 (generator 0 (tp rank 1)) died", store)
+    assert Roster(store, 2).read().lost == []  # the leader leaves, it declares nothing
+
+    trainer = watchdog(0)
+    assert trainer.mates == set()
+    trainer._fault(4, "rank 4 (generator 1 (tp rank 1)) died", store)
+    assert trainer.pending == {4} and Roster(store, 2).read().lost == []
+    assert not store.check(["done/4"])  # its leader may still run: its slot stays its own
+    trainer._fault(3, "rank 3 (generator 1) died", store)
+    assert Roster(store, 2).read().lost == [1] and trainer.excused == {3, 4}
+    assert trainer.pending == set()
+    assert store.get("done/3") == b"lost" and store.get("done/4") == b"lost"
+    assert "goes on with 1 of 2 engines" in capsys.readouterr().err
+
+    with pytest.raises(Ended, match="failed"):  # engine 0 is the last one now: losing it
+        leader._fault(2, "rank 2 (generator 0 (tp rank 1)) died", store)  # fails the job
 
 
 def test_the_filesystem_sweep_keeps_what_a_live_engine_or_a_replacement_may_still_read(
@@ -128,7 +176,7 @@ def test_the_excuse_drops_a_generator_but_never_a_trainer_or_the_last_engine(sto
 
 def test_join_claims_a_lost_engine_once(store, tmp_path):
     """plan_join (python -m llamarl.launch --join RUN_DIR) against a job store: the first lost
-    engine's rank, claimed once; with none lost, a one-line error."""
+    engine's rank, claimed once; with none lost, or engines of tp 2, a one-line error."""
     import json
     import shutil
 
@@ -148,6 +196,10 @@ def test_join_claims_a_lost_engine_once(store, tmp_path):
     assert env.rank == 3 and layout.role_of(3).index == 1 and incarnation
     with pytest.raises(ValueError, match="being replaced already"):
         plan_join(str(tmp_path), overrides)
+    (tmp_path / "layout.json").write_text(json.dumps(
+        {"world_size": 6, "trainer_ranks": 2, "engines": 2, "tp": 2, "ranks_per_node": 6}))
+    with pytest.raises(ValueError, match="an engine of several ranks is not replaced"):
+        plan_join(str(tmp_path), [*overrides, "generator.tp=2"])
 
 
 def test_a_lock_left_by_a_dead_holder_is_broken(store):

@@ -1,15 +1,20 @@
 """Tensor-parallel engines (generator.tp = 2, generator/tp.py) end to end through the launcher:
-the tp recipe, two tp engines beside two trainer ranks, multi-turn episodes in continuous mode,
-and a two-host launch whose engine sits on the other host. (Weight-sync parity with a tp engine:
-tests/test_weight_sync.py.)"""
+the tp recipe, two tp engines beside two trainer ranks (one of them lost mid-run), multi-turn
+episodes in continuous mode, and a two-host launch whose engine sits on the other host.
+(Weight-sync parity with a tp engine: tests/test_weight_sync.py.)"""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
-from conftest import torchrun
+from conftest import ROOT, child_env, torchrun
 from test_async_e2e import SMALL, SOLO, metrics_of, two_host_launch
+from test_engine_loss import _wait_for_rows
 
 pytestmark = pytest.mark.slow
 RECIPE = "recipes/tiny_grpo_tp2_cpu.yaml"
@@ -45,19 +50,40 @@ def test_tp2_recipe_trains_and_evaluates(tmp_path, cache_dir):
     assert [e["step"] for e in evals] == [0, 3]
 
 
-def test_two_tp2_engines_with_two_trainer_ranks(tmp_path, cache_dir):
+def test_two_tp2_engines_with_two_trainer_ranks_and_one_lost(tmp_path, cache_dir):
     """6 ranks on one host: trainers 0-1, engine 0 on ranks 2-3, engine 1 on ranks 4-5,
-    generating one version ahead of training (sync.max_staleness=1, AIPO)."""
-    proc = torchrun(6, ["-m", "llamarl.launch", RECIPE, "run.steps=4", "generator.engines=2",
-                        "sync.max_staleness=1", "algorithm.correction=aipo", SOLO,
-                        f"run.output_dir={tmp_path}", *SMALL],
-                    timeout=900, LLAMARL_CACHE=cache_dir)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = _check_run(tmp_path, 4, engines=2)
+    generating one version ahead of training (sync.max_staleness=1, AIPO). At step 3 engine
+    1's follower (tp rank 1) is SIGKILLed: its leader leaves the job with it (exit 0), the
+    trainers drop the engine once both its ranks are gone, engine 0 makes slot 1's batches
+    and the run completes every step at the same batch size (torchrun's supervisors keep the
+    job: launch/supervisor.py)."""
+    steps = 8
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=6",
+           "-m", "llamarl.launch", RECIPE, f"run.steps={steps}", "generator.engines=2",
+           "sync.max_staleness=1", "algorithm.correction=aipo", SOLO,
+           f"run.output_dir={tmp_path}", *SMALL]
+    job = subprocess.Popen(cmd, cwd=ROOT, env=child_env(LLAMARL_CACHE=cache_dir),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        run = _wait_for_rows(tmp_path, [job], 3)
+        ranks = [json.loads(x) for x in (run / "ranks.jsonl").read_text().splitlines()]
+        (pid,) = [r["pid"] for r in ranks if r["rank"] == 5]  # engine 1, tp rank 1
+        os.kill(pid, signal.SIGKILL)
+        out = job.communicate(timeout=900)[0]
+    finally:
+        job.kill()
+    assert job.returncode == 0, out[-6000:]
+    print(*[x for x in out.splitlines() if "llamarl:" in x or "slot" in x], sep="\n")
+    rows = _check_run(tmp_path, steps, engines=2)  # both slots in every step
     assert all(r["staleness_max"] <= 1 for r in rows)
     assert all(rows[-1]["behaviour_version_by_engine"][e] >= 2 for e in ("0", "1"))
-    out = proc.stdout + proc.stderr
-    assert "[generator 1 (tp rank 1)] followed" in out, out[-3000:]
+    assert "[generator 1 (tp rank 1)] followed" not in out, out[-3000:]
+    assert "rank 4 (generator 1): rank 5 (generator 1 (tp rank 1)) died" in out, out[-3000:]
+    assert "leaves the job with it" in out and "goes on with 1 of 2 engines" in out, out[-3000:]
+    assert "an engine of generator.tp > 1 is not replaced" in out, out[-3000:]
+    assert "[generator 0] took over slot 1 at batch" in out, out[-3000:]
+    live = [r["engines_live"] for r in rows]
+    assert live[0] == 2 and live[-1] == 1, live
 
 
 def test_multi_turn_episodes_in_continuous_mode_with_tp(tmp_path, cache_dir):

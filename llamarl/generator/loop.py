@@ -195,14 +195,14 @@ def lead(rt: Runtime, engine: Engine, data: PromptData, model_path: str,
                     check=lambda prompts: check_lengths(prompts, g.max_new_tokens,
                                                         g.max_model_len))
     scorer = RewardScorer(cfg.reward, g.max_new_tokens, str(rt.device))
-    rt.watchdog.cleanups.append(scorer.close)
+    rt.watchdog.local_cleanups.append(scorer.close)
     if cfg.reward.model_path and scorer.model is None and e == 0:
         log(rt, "the reward model scores on the trainer ranks (reward.model_placement="
                 "trainer): eval.jsonl holds the reward functions' held-out reward only")
     timeline = Timeline(rt.run_dir, rt.role.rank, rt.role.name)
     source_ctx = SourceContext(cfg, engine, engine.tokenizer, fmt, scorer, e, timeline)
     source = build_source(source_ctx)
-    rt.watchdog.cleanups.append(source.close)
+    rt.watchdog.local_cleanups.append(source.close)
     evaluator = Evaluator(rt, source, slots.held_out)
     evaluator.timeline = timeline
     weights = WeightFollower(rt, engine, evaluator, timeline)
@@ -220,7 +220,7 @@ def lead(rt: Runtime, engine: Engine, data: PromptData, model_path: str,
             # evaluation's (it runs while they are paused and must not read their results)
             episodes = build_source(source_ctx) if cfg.rollout.source == "multi_turn" else None
             if episodes is not None:
-                rt.watchdog.cleanups.append(episodes.close)
+                rt.watchdog.local_cleanups.append(episodes.close)
             try:
                 run_continuous(rt, engine, scorer, episodes, slots, weights, timeline,
                                _to_batch, data.bad_row_count)

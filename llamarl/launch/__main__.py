@@ -100,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         if rt.hosts_store:
             rt.wait_all_done()
     except BaseException as e:  # noqa: BLE001 - report every failure to the peers, then exit
+        if not isinstance(e, KeyboardInterrupt):
+            rt.watchdog.leave_if_mate_lost()  # this rank's engine is lost, the job goes on
         error = f"{type(e).__name__}: {e}"
         dead = rt.watchdog.dead_peer()  # a dead peer is the cause, not this rank's error
         if not isinstance(e, (KeyboardInterrupt, ValueError)) and dead is None:

@@ -38,6 +38,10 @@ def plan_join(run_dir: str, overrides: list[str]) -> tuple[Config, Layout, DistE
     cfg = load_config(str(root / "recipe.yaml"), overrides)
     layout = compute_layout(shape["world_size"], shape["ranks_per_node"], shape["trainer_ranks"],
                             shape["engines"], shape["tp"])
+    if layout.tp > 1:
+        raise ValueError(f"--join {run_dir}: the job's engines have generator.tp = {layout.tp}, "
+                         "and a replacement joins as one rank: an engine of several ranks "
+                         "is not replaced (the job goes on with the engines it has)")
     try:
         raw = connect_store(where["addr"], where["port"], 15.0)
     except Exception as e:  # noqa: BLE001 - one line

@@ -137,7 +137,8 @@ def setup(cfg: Config, layout: Layout, env: DistEnv, joining: str = "") -> Runti
                                                       cfg.sync.timeout_s))
 
     watchdog = Watchdog(make_store, env.rank, layout, cfg.sync.dead_peer_s,
-                        excuse=engine_loss_excuse(cfg, layout, device))
+                        excuse=engine_loss_excuse(cfg, layout, device),
+                        can_lose=engine_loss_allowed(cfg, layout, device))
     watchdog.start()
 
     if env.rank == 0:
@@ -169,19 +170,34 @@ def setup(cfg: Config, layout: Layout, env: DistEnv, joining: str = "") -> Runti
 
 def survives_engine_loss(cfg: Config, layout: Layout, device: torch.device) -> bool:
     """Whether the job goes on when an engine is lost (sync.engine_loss, docs/operations.md):
-    another engine must be left, each engine one rank (tp 1), and gloo (CPU): weight groups
-    whose point-to-point sends can leave a member out (sync.transport torch; an NCCL
-    broadcast cannot), or the filesystem transport, which waits for no receiver. Batch and
-    continuous generation both hand slots over at batch boundaries (generator/slots.py)."""
-    return (cfg.sync.engine_loss == "continue" and layout.engines >= 2 and layout.tp == 1
+    another engine must be left, and gloo (CPU): weight groups whose point-to-point sends can
+    leave a member out (sync.transport torch; an NCCL broadcast cannot), or the filesystem
+    transport, which waits for no receiver. Batch and continuous generation both hand slots
+    over at batch boundaries (generator/slots.py). An engine of tp > 1 is lost whole
+    (launch/watchdog.py: its other ranks leave with a dead one)."""
+    return (cfg.sync.engine_loss == "continue" and layout.engines >= 2
             and default_backend(device) == "gloo"
             and cfg.sync.transport in ("torch", "filesystem"))
 
 
+def engine_loss_allowed(cfg: Config, layout: Layout, device: torch.device):
+    """The watchdog's `can_lose`: whether the job would go on without the engine of dead rank
+    `rank` (a generator; another engine live). Reads the roster, changes nothing."""
+    survives = survives_engine_loss(cfg, layout, device)
+
+    def can_lose(store, rank: int) -> bool:
+        role = layout.role_of(rank)
+        if role.role != "generator" or not survives:
+            return False
+        return any(e != role.index for e in Roster(store, layout.engines).read().live)
+
+    return can_lose
+
+
 def engine_loss_excuse(cfg: Config, layout: Layout, device: torch.device):
-    """The watchdog's `excuse`: a dead generator rank is dropped from the roster (its slots go
-    to the live engines) when the job survives engine losses; the rank that declares the loss
-    says so in one line."""
+    """The watchdog's `excuse`: the engine of a dead generator rank (called once all its ranks
+    are gone) is dropped from the roster (its slots go to the live engines) when the job
+    survives engine losses; the rank that declares the loss says so in one line."""
     survives = survives_engine_loss(cfg, layout, device)
 
     def excuse(store, rank: int, cause: str) -> bool:
@@ -197,7 +213,8 @@ def engine_loss_excuse(cfg: Config, layout: Layout, device: torch.device):
             return True
         if not state.live:
             return False  # the last engine: the job cannot go on
-        store.set(f"done/{rank}", "lost")
+        for r in layout.engine_global_ranks(role.index):
+            store.set(f"done/{r}", "lost")
         moved = [s for s in range(layout.engines) if state.owner[s] != s]  # made by others
         print(f"llamarl: {cause}: the job goes on with {len(state.live)} of {layout.engines} "
               f"engines; "

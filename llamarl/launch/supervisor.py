@@ -12,7 +12,8 @@ before (`LLAMARL_SUPERVISED=1`: it does not supervise itself).
       and the job declares it lost     -> the supervisor says so in one line and starts a
                                           replacement as its next child (`--join RUN_DIR`,
                                           sync.engine_restarts times per rank; not once the
-                                          trainers are done); after the last, it exits 0: to
+                                          trainers are done, nor for an engine of tp > 1,
+                                          lost whole); after the last, it exits 0: to
                                           torchrun this worker has finished, the others go on
       and the job cannot go on         -> the supervisor exits with the child's code: the
                                           job stops (and restarts under --max-restarts)
@@ -46,7 +47,7 @@ def wants_supervisor(cfg: Config, layout: Layout, env: DistEnv) -> bool:
     survives_engine_loss), not already the supervised child."""
     if env.launcher != "torchrun" or os.environ.get(SUPERVISED):
         return False
-    if layout.role_of(env.rank).role != "generator" or layout.engines < 2 or layout.tp > 1:
+    if layout.role_of(env.rank).role != "generator" or layout.engines < 2:
         return False  # (the cheap part of survives_engine_loss, before importing torch)
     import torch
 
@@ -68,7 +69,8 @@ def supervise(argv: list[str], cfg: Config, layout: Layout, env: DistEnv) -> int
     """Run this rank as a child process; return the exit code torchrun should see."""
     name = f"rank {env.rank} ({layout.role_of(env.rank).name})"
     cmd = [sys.executable, "-m", "llamarl.launch", *argv]
-    restarts_left, replacing = cfg.sync.engine_restarts, False
+    # an engine of tp > 1 is lost whole and cannot be replaced yet (launch/join.py)
+    restarts_left, replacing = (cfg.sync.engine_restarts if layout.tp == 1 else 0), False
     stopping: list[int] = []
     child: subprocess.Popen | None = None
 
@@ -97,9 +99,11 @@ def supervise(argv: list[str], cfg: Config, layout: Layout, env: DistEnv) -> int
             return code if code > 0 else 128 - code
         run = json.loads(store.get("run"))["dir"]
         if restarts_left == 0 or store.check(["trainer/final_version"]):
+            replace = (f"replace the engine: python -m llamarl.launch --join {run}"
+                       if layout.tp == 1 else "an engine of generator.tp > 1 is not replaced")
             print(f"llamarl: {name}: its process died ({how}) and the job goes on without it; "
-                  "this worker ends well so that torchrun keeps the others (replace the engine: "
-                  f"python -m llamarl.launch --join {run})", file=sys.stderr, flush=True)
+                  f"this worker ends well so that torchrun keeps the others ({replace})",
+                  file=sys.stderr, flush=True)
             return 0
         restarts_left -= 1
         print(f"llamarl: {name}: its process died ({how}); the job goes on without it while a "

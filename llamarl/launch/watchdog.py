@@ -13,6 +13,13 @@ would otherwise wait for its full timeout.
 A dead peer that the job can do without (an engine, when others are left: `excuse`, see
 launch/roster.py) is not a failure: it is excused, and watched again if a replacement takes its
 rank (its `done/<rank>` key, set to "lost", is deleted then).
+
+An engine of several ranks (generator.tp > 1) is lost whole. Its other ranks (a dead rank's
+`mates`, on the same host) leave the job when they find it dead: their watchdog within a second,
+or at once when their main thread fails on it (the engine's collectives, the leader's command
+stream: `leave_if_mate_lost`); they end well (exit 0) and mark nothing. The other ranks excuse
+the engine only once every rank of it is gone (`pending` until then), so a leader still alive
+never publishes a batch after its slot was given to another engine.
 """
 
 from __future__ import annotations
@@ -34,7 +41,8 @@ HEARTBEAT_S = 1.0
 class Watchdog:
     def __init__(self, make_store: Callable[[], object], rank: int, layout: Layout,
                  dead_after_s: float, startup_grace_s: float = 600.0,
-                 excuse: Callable[[object, int, str], bool] = lambda store, rank, cause: False):
+                 excuse: Callable[[object, int, str], bool] = lambda store, rank, cause: False,
+                 can_lose: Callable[[object, int], bool] = lambda store, rank: False):
         self.make_store = make_store  # a fresh client connection for this thread
         self.rank = rank
         self.layout = layout
@@ -44,7 +52,20 @@ class Watchdog:
         # excuse(store, rank, cause): True when the job goes on without dead peer `rank`
         # (it has then marked it done/<rank> = "lost"); called from the watchdog thread
         self.excuse = excuse
+        # can_lose(store, rank): whether the job would go on without dead `rank`'s engine (no
+        # side effect; for the ranks of that engine, which leave rather than declare it)
+        self.can_lose = can_lose
         self.excused: set[int] = set()
+        self.pending: set[int] = set()  # dead ranks of an engine whose other ranks still run
+        me = layout.role_of(rank)
+        # the other ranks of this rank's engine (tp > 1): one dead means this one leaves
+        self.mates = ({r for r in layout.engine_global_ranks(me.index) if r != rank}
+                      if me.role == "generator" else set())
+        # run when this process ends either way (processes of its own: reward sandboxes,
+        # environment workers); `cleanups` (the run's shared memory) only when the job fails:
+        # a rank that leaves a job going on must not touch what the others use
+        self.local_cleanups: list[Callable[[], None]] = []
+        self._leaving = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -95,6 +116,42 @@ class Watchdog:
             return None
         return f"{self.role_name(gone)} died (process {self._peers_proc[gone]} is gone)"
 
+    def leave_if_mate_lost(self, wait_s: float = 2.0) -> None:
+        """Main thread, failing: if a rank of this rank's engine is dead and the job goes on
+        without the engine, leave the job (does not return); else return, and the caller
+        fails the job. The engine's collectives and command stream fail at once when a mate's
+        process is gone, so its exit is looked for a little (`wait_s`) before giving up."""
+        if not self.mates:
+            return
+        deadline = time.monotonic() + wait_s
+        try:
+            store = self._store_main()
+            while True:
+                self._local_pids(store, sorted(self.mates))
+                for r in sorted(self.mates):
+                    pid = self._peers_proc.get(r, -1)
+                    if pid > 0 and not _alive(pid) and self.can_lose(store, r):
+                        self.leave(f"{self.role_name(r)} died (process {pid} is gone)")
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(0.1)
+        except Exception:  # noqa: BLE001 - the store is gone: fail as the caller would
+            return
+
+    def leave(self, cause: str) -> None:
+        """This rank's engine is lost (`cause`: a mate died) and the job goes on without it:
+        say so and end the process well. Nothing is marked: the peers find this process gone
+        and excuse the engine once all its ranks are."""
+        with self._leaving:
+            print(f"llamarl: {self.role_name(self.rank)}: {cause}: its engine is lost, and this "
+                  "rank leaves the job with it (the job goes on)", file=sys.stderr, flush=True)
+            for fn in self.local_cleanups:
+                try:
+                    fn()
+                except Exception:
+                    pass
+            os._exit(0)
+
     def check(self) -> None:
         """Raise if the job has failed (for waits in the main thread)."""
         msg = self._failure_message(self._store_main())
@@ -124,7 +181,7 @@ class Watchdog:
         """A same-host peer whose process no longer runs (missing or a zombie) and that did
         not end on its own terms (done, failed with a report, or stopped by the launcher)."""
         for r, pid in list(self._peers_proc.items()):
-            if pid > 0 and r not in self.excused and not _alive(pid):
+            if pid > 0 and r not in self.excused | self.pending and not _alive(pid):
                 try:
                     if store is not None and store.check([f"done/{r}"]):
                         continue
@@ -166,6 +223,10 @@ class Watchdog:
                         self.excused.discard(r)
                         self._peers_proc.pop(r, None)
                         last[r] = (-1, now)
+                for r in list(self.pending):  # its engine was declared lost by another rank
+                    if store.check([f"done/{r}"]):
+                        self.pending.discard(r)
+                        self.excused.add(r)
                 self._local_pids(store, peers)
                 gone = self._gone_peer(store)
                 if gone is not None:
@@ -173,7 +234,7 @@ class Watchdog:
                     self._fault(gone, f"{self.role_name(gone)} died (process {pid} is gone)",
                                 store)
                 for r in peers:
-                    if r in self.excused or store.check([f"done/{r}"]):
+                    if r in self.excused | self.pending or store.check([f"done/{r}"]):
                         continue
                     count = store.add(f"hb/{r}", 0)
                     seen, since = last[r]
@@ -194,9 +255,23 @@ class Watchdog:
                           "or rank 0 died", None)
 
     def _fault(self, rank: int, cause: str, store) -> None:
-        """Peer `rank` is dead: go on without it if the job can (excused), else fail."""
+        """Peer `rank` is dead: go on without it if the job can (excused), else fail. A rank
+        of an engine of several: this rank's mate (leave with it), or one of another engine
+        whose other ranks still run (pending: excused once they are gone too)."""
+        if rank in self.mates:
+            if self.can_lose(store, rank):
+                self.leave(cause)
+            self._die(cause, store)
+        role = self.layout.role_of(rank)
+        engine = (self.layout.engine_global_ranks(role.index) if role.role == "generator"
+                  else [rank])
+        running = [r for r in engine if r != rank and r not in self.pending | self.excused]
+        if running and self.can_lose(store, rank):
+            self.pending.add(rank)
+            return
         if self.excuse(store, rank, cause):
-            self.excused.add(rank)
+            self.pending -= set(engine)
+            self.excused.update(engine)
         else:
             self._die(cause, store)
 
@@ -212,7 +287,7 @@ class Watchdog:
                 store.set(f"done/{self.rank}", "stopped")
             except Exception:
                 pass
-        for fn in self.cleanups:
+        for fn in (*self.local_cleanups, *self.cleanups):
             try:
                 fn()
             except Exception:

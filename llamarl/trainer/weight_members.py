@@ -44,9 +44,8 @@ class EngineMembers(Members):
     def __init__(self, rt: Runtime, group: dist.ProcessGroup):
         self.rt, self.group = rt, group
         self.roster = Roster(rt.store, rt.layout.engines)
-        gen = rt.layout.generator_global_ranks
-        self.main_rank = {e: 1 + gen.index(rt.layout.engine_global_ranks(e)[0])
-                          for e in range(rt.layout.engines)}
+        # engine e's ranks in the group (one per tp rank: each receives its own copy)
+        self.receivers = _receivers(rt)
         self.pairs: dict[int, tuple[str, dist.ProcessGroup]] = {}  # engine -> (n, its group)
         self.syncs = 0  # syncs sent so far: the index of the next one
         self._joining: set[int] = set()  # replacements that receive but are not back yet
@@ -74,7 +73,7 @@ class EngineMembers(Members):
                 out.append((e, pair, 1))
                 joining.add(e)
             elif e not in lost:
-                out.append((e, self.group, self.main_rank[e]))
+                out += [(e, self.group, dst) for dst in self.receivers[e]]
         self._joining = joining & lost
         return out
 
@@ -106,9 +105,7 @@ class FileMembers:
     def __init__(self, rt: Runtime, directory: str):
         self.rt, self.directory = rt, Path(directory)
         self.roster = Roster(rt.store, rt.layout.engines)
-        gen = rt.layout.generator_global_ranks
-        self.receiver = {e: 1 + gen.index(rt.layout.engine_global_ranks(e)[0])
-                         for e in range(rt.layout.engines)}
+        self.receivers = _receivers(rt)
 
     def begin(self, sync: int) -> int:
         """Called at every sync: trainer 0 gives each replacement asking to join its first
@@ -116,8 +113,8 @@ class FileMembers:
         replacement (from its first sync, until it has read it) may still read."""
         store, lost = self.rt.store, set(self.roster.read().lost)
         first = sync
-        for e, receiver in self.receiver.items():
-            mark = read_mark(self.directory, receiver)
+        for e, receivers in self.receivers.items():
+            mark = min(read_mark(self.directory, j) for j in receivers)
             if e not in lost:
                 first = min(first, mark + 1)
                 continue
@@ -132,3 +129,11 @@ class FileMembers:
             if mark < start:  # (a mark at or past it is the replacement's own)
                 first = min(first, start)
         return first
+
+
+def _receivers(rt: Runtime) -> dict[int, list[int]]:
+    """Engine e -> the receiver numbers of its ranks (1 + its place among the generator ranks:
+    the group rank in wsync<r>, the receiver number of the filesystem transport)."""
+    gen = rt.layout.generator_global_ranks
+    return {e: [1 + gen.index(r) for r in rt.layout.engine_global_ranks(e)]
+            for e in range(rt.layout.engines)}
