@@ -79,7 +79,8 @@ def test_two_tp2_engines_with_two_trainer_ranks_and_one_lost(tmp_path, cache_dir
     assert all(rows[-1]["behaviour_version_by_engine"][e] >= 2 for e in ("0", "1"))
     assert "[generator 1 (tp rank 1)] followed" not in out, out[-3000:]
     assert "rank 4 (generator 1): rank 5 (generator 1 (tp rank 1)) died" in out, out[-3000:]
-    assert "leaves the job with it" in out and "goes on with 1 of 2 engines" in out, out[-3000:]
+    assert ("rank 5 (generator 1 (tp rank 1)) died, and rank 4 (generator 1) left with it: the "
+            "job goes on with 1 of 2 engines") in out, out[-3000:]
     assert "an engine of generator.tp > 1 is not replaced" in out, out[-3000:]
     assert "[generator 0] took over slot 1 at batch" in out, out[-3000:]
     live = [r["engines_live"] for r in rows]

@@ -167,6 +167,12 @@ class SlotSet:
         b = slot.next_batch
         if self.keep_states:
             store = self.rt.store
+            me = f"done/{self.rt.role.rank}"
+            if store.check([me]) and store.get(me) == b"lost":
+                # declared lost while it stalled (silent for sync.dead_peer_s, or its engine's
+                # other rank gone): its slots are another engine's now; publish nothing
+                self.rt.watchdog.leave("this engine was declared lost while it stalled and "
+                                       "its slots went to the others")
             store.set(f"slot/{slot.index}/after/{b}", json.dumps(slot.loader.state_dict()))
             if b - 2 >= self.first_batch:
                 store.delete_key(f"slot/{slot.index}/after/{b - 2}")

@@ -57,6 +57,7 @@ class Watchdog:
         self.can_lose = can_lose
         self.excused: set[int] = set()
         self.pending: set[int] = set()  # dead ranks of an engine whose other ranks still run
+        self._first_cause: dict[int, str] = {}  # why its first rank was found dead, by engine
         me = layout.role_of(rank)
         # the other ranks of this rank's engine (tp > 1): one dead means this one leaves
         self.mates = ({r for r in layout.engine_global_ranks(me.index) if r != rank}
@@ -66,6 +67,7 @@ class Watchdog:
         # a rank that leaves a job going on must not touch what the others use
         self.local_cleanups: list[Callable[[], None]] = []
         self._leaving = threading.Lock()
+        self._peers_proc: dict[int, int] = {}  # same-host peers: rank -> pid (-1: elsewhere)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -77,7 +79,6 @@ class Watchdog:
         self._store.set(f"proc/{self.rank}", json.dumps({"host": socket.gethostname(),
                                                           "pid": os.getpid()}))
         self._store.add(f"hb/{self.rank}", 1)
-        self._peers_proc: dict[int, int] = {}  # same-host peers: rank -> pid
         signal.signal(signal.SIGTERM, self._on_sigterm)
         self._thread = threading.Thread(target=self._run, name="llamarl-watchdog", daemon=True)
         self._thread.start()
@@ -126,11 +127,13 @@ class Watchdog:
         deadline = time.monotonic() + wait_s
         try:
             store = self._store_main()
-            while True:
+            if not self.can_lose(store, self.rank):
+                return  # (this job cannot go on without this engine, whatever happened)
+            while not self._failure_message(store):  # (a peer's failure fails the job)
                 self._local_pids(store, sorted(self.mates))
                 for r in sorted(self.mates):
                     pid = self._peers_proc.get(r, -1)
-                    if pid > 0 and not _alive(pid) and self.can_lose(store, r):
+                    if pid > 0 and not _alive(pid) and not store.check([f"done/{r}"]):
                         self.leave(f"{self.role_name(r)} died (process {pid} is gone)")
                 if time.monotonic() > deadline:
                     return
@@ -140,11 +143,15 @@ class Watchdog:
 
     def leave(self, cause: str) -> None:
         """This rank's engine is lost (`cause`: a mate died) and the job goes on without it:
-        say so and end the process well. Nothing is marked: the peers find this process gone
-        and excuse the engine once all its ranks are."""
+        say so and end the process well. It only marks `left/<rank>` (for the peers' line):
+        the peers find this process gone and excuse the engine once all its ranks are."""
         with self._leaving:
             print(f"llamarl: {self.role_name(self.rank)}: {cause}: its engine is lost, and this "
                   "rank leaves the job with it (the job goes on)", file=sys.stderr, flush=True)
+            try:  # (the peers' line names the rank that died, not this one)
+                self.make_store().set(f"left/{self.rank}", "1")
+            except Exception:
+                pass
             for fn in self.local_cleanups:
                 try:
                     fn()
@@ -265,15 +272,32 @@ class Watchdog:
         role = self.layout.role_of(rank)
         engine = (self.layout.engine_global_ranks(role.index) if role.role == "generator"
                   else [rank])
-        running = [r for r in engine if r != rank and r not in self.pending | self.excused]
-        if running and self.can_lose(store, rank):
+        running = [r for r in engine if r != rank and self._running(r, store)]
+        if running:
+            if not self.can_lose(store, rank):
+                self._die(cause, store)
             self.pending.add(rank)
+            self._first_cause.setdefault(engine[0], cause)
             return
+        cause = self._first_cause.pop(engine[0], cause)  # (the rank found dead first)
+        left = [r for r in engine if store.check([f"left/{r}"])]
+        if left:  # name the ranks that died, not those that left with them
+            cause = (" and ".join(self.role_name(r) for r in engine if r not in left)
+                     + " died, and " + " and ".join(self.role_name(r) for r in left)
+                     + " left with it")
         if self.excuse(store, rank, cause):
             self.pending -= set(engine)
             self.excused.update(engine)
         else:
             self._die(cause, store)
+
+    def _running(self, rank: int, store) -> bool:
+        """Whether peer `rank` may still run: not found dead, not ended (done/<rank>), and not
+        a same-host process that is gone."""
+        if rank in self.pending | self.excused or store.check([f"done/{rank}"]):
+            return False
+        pid = self._peers_proc.get(rank, -1)
+        return pid <= 0 or _alive(pid)
 
     def _die(self, cause: str, store, code: int = 1, prefix: str = "") -> None:
         """Say `cause`, record it for the peers (first report wins), clean up, end the
