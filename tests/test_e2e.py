@@ -196,9 +196,23 @@ def test_plot_writes_charts_and_a_chrome_trace(finished_run):
     assert {e["tid"] for e in trace["traceEvents"]} == {0, 1, 2}
 
 
-# tiny_tool_cpu.yaml runs through the launcher in test_multi_turn.py, with its own checks
+# Recipes that run through the launcher in other tests, with their own checks (kept out of this
+# one to keep the suite short): tiny_tool_cpu.yaml (test_multi_turn.py), tiny_grpo_cpu.yaml
+# (finished_run above), tiny_ppo_cpu.yaml (test_resume.py), tiny_grpo_tp2_cpu.yaml
+# (test_tp.py), tiny_grpo_async_cpu.yaml (test_async_e2e.py).
+ELSEWHERE = {"tiny_tool_cpu.yaml", "tiny_grpo_cpu.yaml", "tiny_ppo_cpu.yaml",
+             "tiny_grpo_tp2_cpu.yaml", "tiny_grpo_async_cpu.yaml"}
 CPU_RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*_cpu.yaml")
-                     if p.name != "tiny_tool_cpu.yaml")
+                     if p.name not in ELSEWHERE)
+
+
+def test_every_cpu_recipe_is_launched_by_some_test():
+    """Each recipe kept out of the list below runs in the test named above."""
+    tests = {name: (ROOT / "tests" / name).read_text() for name in
+             ("test_multi_turn.py", "test_resume.py", "test_tp.py", "test_async_e2e.py")}
+    for recipe in ELSEWHERE - {"tiny_grpo_cpu.yaml"}:  # (RECIPE, in this file)
+        assert any(f"recipes/{recipe}" in text for text in tests.values()), recipe
+    assert RECIPE == "recipes/tiny_grpo_cpu.yaml"
 
 
 @pytest.mark.parametrize("recipe", CPU_RECIPES)

@@ -37,11 +37,21 @@ def only_run(out: Path) -> Path:
     return run
 
 
-def test_resume_continues_exactly(tmp_path, cache_dir):
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    launch(straight, cache_dir, "run.steps=6")
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory, cache_dir) -> Path:
+    """6 steps uninterrupted (checkpoints at 3 and 6), the reference of the resumed runs."""
+    out = tmp_path_factory.mktemp("straight")
+    launch(out, cache_dir, "run.steps=6")
+    return only_run(out)
+
+
+def test_resume_continues_exactly(tmp_path, cache_dir, straight_run):
+    """6 steps straight == 3 + resume + 3; and the step-3 checkpoint exports as a Hugging Face
+    directory with the weights of the policy written after step 3."""
+    split = tmp_path / "split"
     launch(split, cache_dir, "run.steps=3")
     first = only_run(split)
+    _check_export(first, tmp_path / "exported")
     meta = json.loads((first / "checkpoints" / "step_00000003" / "meta.json").read_text())
     # engine 0's prompt loader right after the 3rd batch (8 prompts each) is what resumes
     assert meta["data_state"]["0"]["loader"]["root"]["it_state"]["source"] == {"epoch": 0,
@@ -54,13 +64,13 @@ def test_resume_continues_exactly(tmp_path, cache_dir):
     assert "resumed from" in proc.stderr and "step_00000003" in proc.stderr
     assert only_run(split) == first, "resume continues in the same run directory"
 
-    a = [json.loads(x) for x in (only_run(straight) / "metrics.jsonl").read_text().splitlines()]
+    a = [json.loads(x) for x in (straight_run / "metrics.jsonl").read_text().splitlines()]
     b = [json.loads(x) for x in (first / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
     assert [r["batch_digest"] for r in a] == [r["batch_digest"] for r in b], "data order"
     assert [round(r["reward_mean"], 6) for r in a] == [round(r["reward_mean"], 6) for r in b]
 
-    wa = load_file(only_run(straight) / "policy" / "model.safetensors")
+    wa = load_file(straight_run / "policy" / "model.safetensors")
     wb = load_file(first / "policy" / "model.safetensors")
     worst = max((wa[k] - wb[k]).abs().max().item() for k in wa)
     print(f"resume: max |weight difference| after 6 steps = {worst:.3g}")
@@ -100,15 +110,14 @@ def test_ppo_resume_restores_the_critic(tmp_path, cache_dir):
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= TOLERANCE
 
 
-def test_export_any_checkpoint_as_hf_directory(tmp_path, cache_dir):
+def _check_export(run: Path, out: Path) -> None:
+    """python -m llamarl.export of a run's step-3 checkpoint (its last: the policy written at
+    the end of the run has the same weights)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from llamarl.export import main as export_main
 
-    launch(tmp_path / "runs", cache_dir, "run.steps=3")
-    run = only_run(tmp_path / "runs")
-    out = tmp_path / "exported"
     assert export_main([str(run / "checkpoints" / "step_00000003"), str(out)]) == 0
     exported = AutoModelForCausalLM.from_pretrained(out)
     final = AutoModelForCausalLM.from_pretrained(run / "policy")  # same weights: step 3
@@ -174,13 +183,11 @@ def test_kill_during_checkpoint_write_resumes_from_the_last_complete_one(tmp_pat
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000003", "step_00000004"]
 
 
-def test_a_restarted_job_resumes_by_itself(tmp_path, cache_dir):
-    """torchrun --max-restarts 1, a trainer rank SIGKILLed mid-run: the restarted world
-    resumes from the last complete checkpoint in the same run directory, by itself, and ends
-    with the weights of an uninterrupted run (on-policy)."""
-    steps = ["run.steps=10", "run.checkpoint_every=3"]
-    straight = tmp_path / "straight"
-    launch(straight, cache_dir, *steps)
+def test_a_restarted_job_resumes_by_itself(tmp_path, cache_dir, straight_run):
+    """torchrun --max-restarts 1, a trainer rank SIGKILLed after step 4: the restarted world
+    resumes from the last complete checkpoint (step 3) in the same run directory, by itself,
+    and ends with the weights of an uninterrupted run (on-policy)."""
+    steps = ["run.steps=6"]  # (checkpoints every 3 steps: COMMON)
     out = tmp_path / "restarted"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
            "--max-restarts=1", "-m", "llamarl.launch", RECIPE, f"run.output_dir={out}", *COMMON,
@@ -208,7 +215,7 @@ def test_a_restarted_job_resumes_by_itself(tmp_path, cache_dir):
     assert "restart 1 of the job: resuming from" in err and "by itself" in err, err[-3000:]
     run = only_run(out)  # the same run directory
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 11))
-    wa = load_file(only_run(straight) / "policy" / "model.safetensors")
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    wa = load_file(straight_run / "policy" / "model.safetensors")
     wb = load_file(run / "policy" / "model.safetensors")
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= TOLERANCE
