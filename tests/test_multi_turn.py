@@ -194,6 +194,12 @@ def test_three_turn_episodes_are_token_in_token_out(cache_dir, monkeypatch):
     assert out["masked_tokens_with_weight"] == 0
     assert out["versions"] == [7] and out["policy_version"] == [7]
     assert out["metrics"]["turns"] == sum(out["turns"])
+    # a group stopped (continuous mode, its slot handed back): its turns leave the engine, the
+    # other group completes, nothing is left in the runner or the environment workers
+    abort = out["abort"]
+    assert abort["returned"] == [1] and abort["running_after"] < abort["running_before"], abort
+    assert abort["live"] == abort["engine_running"] == abort["calls_left"] == 0, abort
+    assert abort["pending"] == 0, abort
 
 
 class ScriptedEngine:

@@ -117,6 +117,11 @@ class GroupPool:
             self.engine.submit(f"{gid}/{i}", prompt.token_ids, self.temperature,
                                self.max_tokens)
 
+    def abort(self, gid: int) -> None:
+        """Stop group `gid` (running): its samples not finished leave the engine."""
+        _, completions = self.groups.pop(gid)
+        self.engine.abort([f"{gid}/{i}" for i, c in enumerate(completions) if c is None])
+
     def step(self) -> list[ScoredGroup]:
         done = []
         for request_id, c in self.engine.step():
@@ -173,6 +178,9 @@ class EpisodePool:
     def submit(self, prompt) -> None:
         self.runner.add(self.submitted, prompt, self.n)
         self.submitted += 1
+
+    def abort(self, gid: int) -> None:
+        self.runner.abort(gid)
 
     def step(self) -> list[ScoredGroup]:
         return self.runner.step(self.engine.version)
@@ -232,7 +240,7 @@ def run_continuous(rt: Runtime, engine, scorer, source, slots: SlotSet, weights,
     _REFRESH_S): a slot taken over starts from the loader state its lost engine wrote before
     its next batch; a slot handed back to a replacement leaves its running and complete groups
     behind, unshipped (the loader state the replacement continues from is past them, as a
-    resumed run is past the groups in flight at a crash)."""
+    resumed run is past the groups in flight at a crash); those running stop."""
     cfg, g, e = rt.cfg, rt.cfg.generator, rt.role.index
     k, n = cfg.sync.max_staleness, g.samples_per_prompt
     per_engine = g.prompts_per_step // rt.layout.engines
@@ -260,7 +268,9 @@ def run_continuous(rt: Runtime, engine, scorer, source, slots: SlotSet, weights,
                 slots.refresh()
                 refreshed = time.perf_counter()
                 for gid in [gid for gid, (s, _) in started.items() if s not in slots.slots]:
-                    del started[gid]  # a slot handed back: its groups stay unshipped
+                    del started[gid]  # a slot handed back: its groups stay unshipped, and
+                    if gid in pool.groups:  # those running stop
+                        pool.abort(gid)
                 ready = [grp for grp in ready if grp.index in started]
             if not slots.ready():  # a replacement whose slot is not handed back yet
                 if weights.follow(need=1 << 62, interrupt=slots.changed) is False:

@@ -352,6 +352,18 @@ class Engine:
         return len(self._requests)
 
     @spmd
+    def abort(self, request_ids: list[str]) -> None:
+        """Drop these submitted samples (those not finished; others are ignored): nothing will
+        read them (continuous mode: their slot was handed back to a replacement engine)."""
+        ids = [i for i in request_ids if i in self._requests]
+        if self._paused:  # not in vLLM while paused
+            self._paused = [i for i in self._paused if i not in set(ids)]
+        else:
+            self.llm.llm_engine.abort_request([self._requests[i].vllm_id for i in ids])
+        for i in ids:
+            del self._requests[i]
+
+    @spmd
     def abort_all(self) -> None:
         """Drop every submitted request (the run is over; nothing will read them)."""
         self.pause()

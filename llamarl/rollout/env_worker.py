@@ -54,6 +54,9 @@ def _run(envs: dict, cls, tool_format: str, episode: int, method: str, arg) -> o
         if not isinstance(prompt, (str, list)):
             raise TypeError(f"prompt() returned {type(prompt).__name__}, not str or messages")
         return prompt
+    if method == "close":  # an episode stopped before its end (generator/continuous.py)
+        envs.pop(episode, None)
+        return None
     env = envs.get(episode)
     if env is None:
         raise RuntimeError("its environment is gone (its worker was restarted after a "

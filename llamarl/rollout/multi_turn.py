@@ -158,6 +158,18 @@ class EpisodeRunner:
         self.live += n
         self.metrics["episodes"] += n
 
+    def abort(self, key: int) -> None:
+        """Stop group `key` (not complete): its turns generating leave the engine, its
+        environments are closed, and results still to come for it are ignored (step())."""
+        _, eids = self.groups.pop(key)
+        engine, pool = self.source.ctx.engine, self.source.pool
+        for eid in eids:
+            ep = self.episodes.pop(eid)
+            if ep.reward is None:  # not ended: a turn generating, or a call in flight
+                self.live -= 1
+                engine.abort([f"{eid}:{ep.sample.turns}"])
+                self.calls[pool.call(eid, "close", None)] = "close"
+
     def _end(self, eid: int, finish: str) -> None:
         ep = self.episodes[eid]
         ep.sample.finish = finish

@@ -2,8 +2,9 @@
 
     python tests/dist/engine_in_flight.py MODEL_DIR IN_FLIGHT_KV
 
-32 samples (8 prompts x 4) of up to 60 tokens are submitted under weights A (version 0); after
-8 engine steps weights B (A plus noise) are loaded between two steps (Engine.swap_weights) and
+32 samples (8 prompts x 4) of up to 60 tokens are submitted under weights A (version 0), and 4
+more of prompt 0, two of which are aborted after 4 engine steps (Engine.abort); after 8 engine
+steps weights B (A plus noise) are loaded between two steps (Engine.swap_weights) and
 the samples run to the end. Each completion says which version sampled which tokens; the
 tokens are then scored by Hugging Face copies of A and B over the whole sequence, as the trainer
 does. Prints one JSON line: the versions seen, and per version the largest |engine logprob -
@@ -35,10 +36,16 @@ def main(model_dir: str, in_flight_kv: str) -> None:
     prompts = [[1] + [4 + (i * 5 + j * 3) % 26 for j in range(11)] for i in range(8)]
     engine.begin(7)
     for i, p in enumerate(prompts):
-        for j in range(4):
+        for j in range(4 if i else 8):  # 4 more of prompt 0, two of them aborted
             engine.submit(f"{i}/{j}", p, 1.0, 60)
     done = []
-    for _ in range(8):
+    for _ in range(4):
+        done += engine.step()
+    running, at_abort = engine.running, len(done)
+    alive = sum(1 for r in ("0/4", "0/5") if r not in {x for x, _ in done})
+    engine.abort(["0/4", "0/5", "no/such"])  # (a slot handed back: its groups stop)
+    aborted = running - engine.running
+    for _ in range(4):
         done += engine.step()
     running_at_load = engine.running
     model = engine.worker.model_runner.model
@@ -63,7 +70,9 @@ def main(model_dir: str, in_flight_kv: str) -> None:
             at += n
         assert at == len(c.token_ids) == len(c.logprobs)
     print(json.dumps({
-        "finished": len(done), "running_at_load": running_at_load,
+        "finished": len(done) - (2 - alive), "running_at_load": running_at_load,
+        "aborted": aborted, "alive_at_abort": alive,
+        "finished_after_abort": sum(1 for r, _ in done[at_abort:] if r in ("0/4", "0/5")),
         "spanning": sum(1 for _, c in done if len(c.versions) > 1),
         "versions": sorted(spans_seen), "max_abs_diff": worst,
         "recomputed_tokens": engine.recomputed_tokens,

@@ -35,6 +35,7 @@ def main() -> None:
     try:
         prompts = fmt.encode(sample_examples(8, "eval", 0))
         got = source.collect(prompts, 4, 1.0, 1234, version=7, step=0)
+        aborted = _abort_a_group(source, prompts)
     finally:
         source.close()
     batch = _to_batch(got.groups, 0, 0, 8)
@@ -53,7 +54,36 @@ def main() -> None:
         "versions": sorted(set(batch.token_version[~obs].tolist())),
         "policy_version": sorted(set(batch.policy_version.tolist())),
         "example": tok.decode(batch.rows()[0].tolist()),
-        "metrics": got.metrics}))
+        "metrics": got.metrics, "abort": aborted}))
+
+
+def _abort_a_group(source, prompts) -> dict:
+    """Continuous mode's runner (spans, as EpisodePool runs it): two groups of 4 episodes, the
+    first stopped after a few steps (its slot handed back); the second still completes, and
+    nothing of the first is left in the engine, the runner or the environment workers."""
+    from llamarl.rollout.multi_turn import EpisodeRunner
+
+    runner = EpisodeRunner(source, 1.0, spans=True)
+    engine = source.ctx.engine
+    engine.begin(99)
+    runner.add(0, prompts[0], 4)
+    runner.add(1, prompts[1], 4)
+    first = {str(eid) for eid in runner.groups[0][1]}
+    returned = []
+    for _ in range(200):  # until a turn of the first group generates
+        returned += [g.index for g in runner.step(0)]
+        if any(r.split(":")[0] in first for r in engine._requests):
+            break
+    running_before = engine.running
+    runner.abort(0)
+    running_after = engine.running
+    for _ in range(2000):
+        if not runner.groups and source.pool.pending == 0:
+            break
+        returned += [g.index for g in runner.step(0)]
+    return {"returned": returned, "running_before": running_before,
+            "running_after": running_after, "live": runner.live, "engine_running": engine.running,
+            "calls_left": len(runner.calls), "pending": source.pool.pending}
 
 
 if __name__ == "__main__":
