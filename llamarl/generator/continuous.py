@@ -191,13 +191,17 @@ class Meter:
 
     def __init__(self, engine, pool):
         self.engine, self.pool = engine, pool
+        # dynamic sampling, per slot since its last batch (an engine may make several slots):
+        # groups dropped as uninformative, and groups kept after the budget was spent
+        self.uninformative: dict[int, int] = {}
+        self.filled: dict[int, int] = {}
         self.reset()
 
     def reset(self) -> None:
         self.t0 = time.perf_counter()
         self.busy_s = self.load_s = self.held_s = self.due_s = 0.0
         self.steps = self.running_sum = 0
-        self.stale = self.uninformative = self.filled = 0
+        self.stale = 0
         self.recomputed0 = self.engine.recomputed_tokens
         self.reward_s0, self.errors0 = self.pool.reward_s, self.pool.reward_errors
         self.timeouts0 = self.pool.reward_timeouts
@@ -272,6 +276,9 @@ def run_continuous(rt: Runtime, engine, scorer, source, slots: SlotSet, weights,
                     if gid in pool.groups:  # those running stop
                         pool.abort(gid)
                 ready = [grp for grp in ready if grp.index in started]
+                for counts in (meter.uninformative, meter.filled):
+                    for s in [s for s in counts if s not in slots.slots]:
+                        del counts[s]
             if not slots.ready():  # a replacement whose slot is not handed back yet
                 if weights.follow(need=1 << 62, interrupt=slots.changed) is False:
                     break
@@ -365,11 +372,12 @@ def _keep(rt: Runtime, done: list[ScoredGroup], meter: Meter,
     kept = []
     for grp in done:
         if not is_informative(grp.rewards):
-            if meter.uninformative < give_up:
-                meter.uninformative += 1
+            slot = started[grp.index][0]
+            if meter.uninformative.get(slot, 0) < give_up:
+                meter.uninformative[slot] = meter.uninformative.get(slot, 0) + 1
                 del started[grp.index]
                 continue
-            meter.filled += 1
+            meter.filled[slot] = meter.filled.get(slot, 0) + 1
         kept.append(grp)
     return kept
 
@@ -416,7 +424,8 @@ def _ship(rt: Runtime, slots: SlotSet, slot, ready: list[ScoredGroup],
         reward_errors=pool.reward_errors - meter.errors0,
         reward_timeouts=pool.reward_timeouts - meter.timeouts0,
         rollout=rollout, tokens=int(batch.loss_mask.sum()), reward_components=rewards,
-        ds_rounds=1, ds_dropped_groups=meter.uninformative, ds_filled_groups=meter.filled,
+        ds_rounds=1, ds_dropped_groups=meter.uninformative.pop(slot.index, 0),
+        ds_filled_groups=meter.filled.pop(slot.index, 0),
         engine=slot.index, made_by=rt.role.index, data_state=slot.loader.state_dict(),
         data_epoch=slot.loader.epoch, data_bad_rows=data_bad_rows,
         prev_put_s=slots.last_put_s())
