@@ -298,7 +298,7 @@ class SyncConfig:
     # A lost engine (its process or node gone), with others left: `continue` without it (its
     # prompts and batches go to the others, launch/roster.py) or `stop` the job. Engines on
     # CPU (gloo) with sync.transport torch or filesystem, in batch or continuous mode,
-    # continue (one of tp > 1 is lost whole, and not replaced); otherwise a loss stops the
+    # continue (one of tp > 1 is lost and replaced whole); otherwise a loss stops the
     # job, which recovers from its last checkpoint under torchrun --max-restarts / requeue.
     engine_loss: str = "continue"
     # Under torchrun, an engine whose process died is replaced by itself, this many times per

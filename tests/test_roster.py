@@ -195,9 +195,9 @@ def test_a_rank_that_ended_well_does_not_keep_its_engine_pending(store):
     assert store.get("done/4") == b"lost"
 
 
-def test_join_claims_a_lost_engine_once(store, tmp_path):
+def test_join_claims_a_lost_engine_once(store, tmp_path, monkeypatch):
     """plan_join (python -m llamarl.launch --join RUN_DIR) against a job store: the first lost
-    engine's rank, claimed once; with none lost, or engines of tp 2, a one-line error."""
+    engine's rank, claimed once; with none lost, a one-line error."""
     import json
     import shutil
 
@@ -217,10 +217,16 @@ def test_join_claims_a_lost_engine_once(store, tmp_path):
     assert env.rank == 3 and layout.role_of(3).index == 1 and incarnation
     with pytest.raises(ValueError, match="being replaced already"):
         plan_join(str(tmp_path), overrides)
+    # tp 2 (engine 1 = ranks 4-5): the process that claims it is its tp rank 0, and the tp
+    # ranks it starts (launch/join.py: spawn_tp_ranks) are told their place
     (tmp_path / "layout.json").write_text(json.dumps(
         {"world_size": 6, "trainer_ranks": 2, "engines": 2, "tp": 2, "ranks_per_node": 6}))
-    with pytest.raises(ValueError, match="an engine of several ranks is not replaced"):
-        plan_join(str(tmp_path), [*overrides, "generator.tp=2"])
+    store.delete_key("llamarl/0/join/1/claimed")
+    _, layout, env, incarnation = plan_join(str(tmp_path), [*overrides, "generator.tp=2"])
+    assert env.rank == 4 and layout.role_of(4).tp_rank == 0
+    monkeypatch.setenv("LLAMARL_JOIN_TP_RANK", f"1:{incarnation}:1")
+    _, _, env, again = plan_join(str(tmp_path), [*overrides, "generator.tp=2"])
+    assert env.rank == 5 and again == incarnation
 
 
 def test_a_lock_left_by_a_dead_holder_is_broken(store):

@@ -57,10 +57,10 @@ from llamarl.timeline import Timeline
 def engine_world(rt: Runtime) -> EngineWorld | None:
     """The private world of this rank's engine (None for tp 1): its leader picks the port and
     publishes it; the other tp ranks read it. An engine's tp ranks share a node (checked by
-    the layout), so loopback reaches the leader."""
+    the layout), so loopback reaches the leader. A replacement's world is its own."""
     if rt.layout.tp == 1:
         return None
-    key = f"engine/{rt.role.index}/port"
+    key = f"engine/{rt.role.index}{_incarnation(rt)}/port"
     if rt.role.is_engine_leader:
         rt.store.set(key, str(free_port()))
     port = int(rt.wait_key(key))
@@ -70,8 +70,14 @@ def engine_world(rt: Runtime) -> EngineWorld | None:
 def engine_commands(rt: Runtime) -> EngineCommands:
     """The command stream of this rank's tp > 1 engine (generator/tp.py); built by all its
     tp ranks at once."""
-    return EngineCommands(rt.group_spec(f"engine{rt.role.index}/commands", rt.role.tp_rank,
-                                        rt.layout.tp), rt.store)
+    return EngineCommands(rt.group_spec(f"engine{rt.role.index}{_incarnation(rt)}/commands",
+                                        rt.role.tp_rank, rt.layout.tp), rt.store)
+
+
+def _incarnation(rt: Runtime) -> str:
+    """The part of a tp > 1 engine's key names that tells a replacement (launch/join.py)
+    from the engine it replaces."""
+    return f".{rt.joining}" if rt.joining else ""
 
 
 def check_lengths(prompts, max_new_tokens: int, max_model_len: int) -> None:
@@ -122,20 +128,29 @@ def join_weight_groups(rt: Runtime, engine: Engine) -> int:
 
 def join_as_replacement(rt: Runtime, engine: Engine) -> int:
     """A replacement engine (launch/join.py) asks the trainers for its weights; trainer 0
-    picks the sync they start with (trainer/weight_members.py), and this engine builds a
-    two-rank group with each trainer rank for it (the filesystem transport: reads the files
-    of that sync on). Returns that sync's number."""
+    picks the sync they start with (trainer/weight_members.py), and each tp rank of this
+    engine builds a group with each trainer rank for it, [trainer r, its tp ranks] (the
+    filesystem transport: reads the files of that sync on). Returns that sync's number.
+
+    With tp > 1 the syncs it receives are resharded from the first (the senders are past
+    their first sync): each tp rank reads what the engine's tp rank of its number read on
+    the job's first sync (`wsync/needs/<receiver>`, weight_receiver)."""
     e, n, trainers = rt.role.index, rt.joining, range(rt.layout.trainer_ranks)
+    tp, k = rt.layout.tp, rt.role.tp_rank
     rt.store.set(f"join/{e}", n)
     Roster(rt.store, rt.layout.engines).note_change()  # the trainers look again
     first = int(rt.wait_key(f"join/{e}/{n}/sync"))
+    options = {}
+    if tp > 1 and rt.cfg.sync.reshard:  # receiver 1 + k: tp rank k of engine 0
+        options["needs"] = rt.wait_key(f"wsync/needs/{1 + k}")
     if rt.cfg.sync.transport == "filesystem":  # the files of the engine it replaces, from
         # `first` on (parallel/transports/filesystem.py)
         me = 1 + rt.layout.generator_global_ranks.index(rt.role.rank)
-        spec = rt.weight_transport(me, [], options={"first_sync": first})
+        spec = rt.weight_transport(me, [], options={**options, "first_sync": first})
     else:
-        spec = rt.weight_transport(1, [rt.group_spec(join_group_name(r, e, n), 1, 2)
-                                       for r in trainers])
+        spec = rt.weight_transport(1 + k, [rt.group_spec(join_group_name(r, e, n), 1 + k,
+                                                         1 + tp) for r in trainers],
+                                   options=options)
     engine.join_weight_sync(spec, [rt.wait_key(f"wsync/meta/{r}") for r in trainers],
                             rt.cfg.sync.bucket_mb, rt.cfg.sync.solo_mb)
     return first

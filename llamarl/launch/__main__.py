@@ -47,13 +47,15 @@ def main(argv: list[str] | None = None) -> int:
             print(USAGE)
             return 2
     recipe, overrides = argv[0], argv[1:]
-    env, incarnation = None, ""
+    env, incarnation, tp_ranks = None, "", []
     try:
         if joining:
-            from llamarl.launch.join import plan_join
+            from llamarl.launch.join import plan_join, spawn_tp_ranks
             cfg, layout, env, incarnation = plan_join(recipe, overrides)
             print(f"llamarl: joining the job of {recipe} as {layout.role_of(env.rank).name} "
                   f"(rank {env.rank}), replacing the lost engine", file=sys.stderr, flush=True)
+            if layout.tp > 1 and layout.role_of(env.rank).tp_rank == 0:  # its other tp ranks
+                tp_ranks = spawn_tp_ranks(layout, env, incarnation, ["--join", *argv])
         elif print_ranks:
             cfg = load_config(recipe, overrides)
             print(cfg.trainer.ranks + cfg.generator.engines * cfg.generator.tp)
@@ -113,8 +115,11 @@ def main(argv: list[str] | None = None) -> int:
         rt.cleanup_shared_memory()
         os._exit(1)
     rt.watchdog.stop()
+    failed = [p.args for p in tp_ranks if p.wait() != 0]  # (a replacement's other tp ranks)
     sys.stdout.flush()
     sys.stderr.flush()
+    if failed:
+        os._exit(1)
     # vLLM's in-process engine leaves non-daemon threads behind; the work is done and flushed.
     os._exit(0)
 

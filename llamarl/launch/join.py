@@ -7,6 +7,11 @@ watchdogs of the other ranks watch that rank again once this process deletes its
 mark. It then starts its engine, receives the trainers' weights from the sync trainer 0 picks
 for it (trainer/weight_members.py), rejoins the roster and takes its slot back from the engine
 that made it meanwhile, at that engine's next batch boundary (generator/slots.py).
+
+An engine of generator.tp > 1 is replaced whole: this process becomes its tp rank 0 and starts
+its other tp ranks as child processes on this host (`spawn_tp_ranks`: the same command, told
+which engine, incarnation and tp rank they are through the environment), which build a new
+private world and command stream with it.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import subprocess
+import sys
 from pathlib import Path
 
 import torch.distributed as dist
@@ -25,10 +32,14 @@ from llamarl.launch.layout import Layout, compute_layout
 from llamarl.launch.roster import Roster
 from llamarl.parallel.groups import connect_store
 
+# set for the other tp ranks of a replacement (spawn_tp_ranks): "<engine>:<incarnation>:<tp rank>"
+TP_RANK_ENV = "LLAMARL_JOIN_TP_RANK"
+
 
 def plan_join(run_dir: str, overrides: list[str]) -> tuple[Config, Layout, DistEnv, str]:
-    """The recipe, layout and place in the job of a replacement engine, and its incarnation
-    (claimed in the store, so two replacements never take the same engine)."""
+    """The recipe, layout and place in the job of a replacement engine (its tp rank 0, or
+    the tp rank that TP_RANK_ENV names), and its incarnation (claimed in the store, so two
+    replacements never take the same engine)."""
     root = Path(run_dir)
     if not (root / "store.json").is_file():
         raise ValueError(f"--join {run_dir}: not a run directory of a running job (no "
@@ -38,10 +49,6 @@ def plan_join(run_dir: str, overrides: list[str]) -> tuple[Config, Layout, DistE
     cfg = load_config(str(root / "recipe.yaml"), overrides)
     layout = compute_layout(shape["world_size"], shape["ranks_per_node"], shape["trainer_ranks"],
                             shape["engines"], shape["tp"])
-    if layout.tp > 1:
-        raise ValueError(f"--join {run_dir}: the job's engines have generator.tp = {layout.tp}, "
-                         "and a replacement joins as one rank: an engine of several ranks "
-                         "is not replaced (the job goes on with the engines it has)")
     try:
         raw = connect_store(where["addr"], where["port"], 15.0)
     except Exception as e:  # noqa: BLE001 - one line
@@ -49,14 +56,18 @@ def plan_join(run_dir: str, overrides: list[str]) -> tuple[Config, Layout, DistE
                          f"{where['port']} ({type(e).__name__}): is the job still running, and "
                          "is this host able to reach it?") from None
     store = dist.PrefixStore(job_prefix(where["restart"]), raw)
-    lost = Roster(store, layout.engines).read().lost
-    incarnation = secrets.token_hex(3)
-    engine = next((e for e in lost if store.compare_set(
-        f"join/{e}/claimed", "", incarnation).decode() == incarnation), None)
-    if engine is None:
-        raise ValueError(f"--join {run_dir}: no engine of this job is lost (or each lost one "
-                         f"is being replaced already): nothing to replace")
-    rank = layout.engine_global_ranks(engine)[0]
+    if os.environ.get(TP_RANK_ENV):  # a tp rank of a replacement its tp rank 0 started
+        e, incarnation, k = os.environ[TP_RANK_ENV].split(":")
+        engine, tp_rank = int(e), int(k)
+    else:
+        lost = Roster(store, layout.engines).read().lost
+        incarnation, tp_rank = secrets.token_hex(3), 0
+        engine = next((e for e in lost if store.compare_set(
+            f"join/{e}/claimed", "", incarnation).decode() == incarnation), None)
+        if engine is None:
+            raise ValueError(f"--join {run_dir}: no engine of this job is lost (or each lost "
+                             f"one is being replaced already): nothing to replace")
+    rank = layout.engine_global_ranks(engine)[tp_rank]
     # the store checks that it is this job's (launch/job_store.py): be that job
     job, _, step = where["job"].partition(".")
     for key, value in (("SLURM_JOB_ID", job), ("SLURM_STEP_ID", step)):
@@ -70,3 +81,17 @@ def plan_join(run_dir: str, overrides: list[str]) -> tuple[Config, Layout, DistE
                   master_port=where["port"], launcher=where["launcher"],
                   restart=where["restart"])
     return cfg, layout, env, incarnation
+
+
+def spawn_tp_ranks(layout: Layout, env: DistEnv, incarnation: str,
+                   argv: list[str]) -> list[subprocess.Popen]:
+    """On tp rank 0 of a replacement engine of tp > 1: start its other tp ranks (`python -m
+    llamarl.launch --join ...` again, told their place by TP_RANK_ENV); each dies with this
+    process (PR_SET_PDEATHSIG)."""
+    from llamarl.launch.supervisor import die_with_parent
+
+    role = layout.role_of(env.rank)
+    return [subprocess.Popen([sys.executable, "-m", "llamarl.launch", *argv],
+                             env={**os.environ, TP_RANK_ENV: f"{role.index}:{incarnation}:{k}"},
+                             preexec_fn=die_with_parent)
+            for k in range(1, layout.tp)]

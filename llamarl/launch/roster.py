@@ -57,8 +57,8 @@ class RosterState:
 
 
 def join_group_name(trainer: int, engine: int, incarnation: str) -> str:
-    """The two-rank weight group of trainer rank `trainer` with replacement `incarnation` of
-    engine `engine` (trainer/weight_members.py)."""
+    """The weight group of trainer rank `trainer` with (the tp ranks of) replacement
+    `incarnation` of engine `engine` (trainer/weight_members.py)."""
     return f"wsync{trainer}/join{engine}.{incarnation}"
 
 

@@ -57,7 +57,7 @@ def wants_supervisor(cfg: Config, layout: Layout, env: DistEnv) -> bool:
     return survives_engine_loss(cfg, layout, device)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child, before exec: SIGKILL this process when its parent (the supervisor) dies."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -69,7 +69,7 @@ def supervise(argv: list[str], cfg: Config, layout: Layout, env: DistEnv) -> int
     """Run this rank as a child process; return the exit code torchrun should see."""
     name = f"rank {env.rank} ({layout.role_of(env.rank).name})"
     cmd = [sys.executable, "-m", "llamarl.launch", *argv]
-    # an engine of tp > 1 is lost whole and cannot be replaced yet (launch/join.py)
+    # an engine of tp > 1 is lost whole and replaced whole by one --join (launch/join.py)
     restarts_left, replacing = (cfg.sync.engine_restarts if layout.tp == 1 else 0), False
     stopping: list[int] = []
     child: subprocess.Popen | None = None
@@ -85,7 +85,7 @@ def supervise(argv: list[str], cfg: Config, layout: Layout, env: DistEnv) -> int
         # its own process group: torchrun signals the worker's group (killpg) and a terminal
         # its foreground group, and the child must get each signal once, passed on from here
         child = subprocess.Popen(cmd, env={**os.environ, SUPERVISED: "1"},
-                                 preexec_fn=_die_with_parent, start_new_session=True)
+                                 preexec_fn=die_with_parent, start_new_session=True)
         code = child.wait()
         if code == 0 or stopping:
             return code
@@ -99,8 +99,9 @@ def supervise(argv: list[str], cfg: Config, layout: Layout, env: DistEnv) -> int
             return code if code > 0 else 128 - code
         run = json.loads(store.get("run"))["dir"]
         if restarts_left == 0 or store.check(["trainer/final_version"]):
-            replace = (f"replace the engine: python -m llamarl.launch --join {run}"
-                       if layout.tp == 1 else "an engine of generator.tp > 1 is not replaced")
+            replace = f"replace the engine: python -m llamarl.launch --join {run}"
+            if layout.tp > 1:  # (each of its tp supervisors would start one rank of it)
+                replace += f", which starts its {layout.tp} ranks; not done by itself"
             print(f"llamarl: {name}: its process died ({how}) and the job goes on without it; "
                   f"this worker ends well so that torchrun keeps the others ({replace})",
                   file=sys.stderr, flush=True)

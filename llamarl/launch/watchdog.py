@@ -218,6 +218,12 @@ class Watchdog:
         peers = [r for r in range(self.layout.world_size) if r != self.rank]
         last = {r: (-1, time.monotonic()) for r in peers}
         start = time.monotonic()
+        try:  # peers lost before this rank started (it may be their replacement's tp rank):
+            # watched again once their replacement is back (below), not by their old pid
+            self.excused = {r for r in peers if store.check([f"done/{r}"])
+                            and store.get(f"done/{r}") == b"lost"}
+        except Exception:  # noqa: BLE001 - the loop below names a store that is gone
+            pass
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 store.add(f"hb/{self.rank}", 1)

@@ -89,6 +89,13 @@ class WeightReceiver:
         self.slice_copies: list[list[tuple[list, list]]] = []
         self._works_sliced = False
         self._resharded = transport.spec.tp > 1 and transport.spec.reshard
+        needs = transport.spec.options.get("needs")
+        if self._resharded and needs is not None:
+            # a replacement engine (generator/loop.py: join_as_replacement) joins after the
+            # senders' first sync: resharded from its first, with the needs the job's engines
+            # published (every engine of a layout loads alike)
+            self.posted = 1
+            self._reshard(None if needs == "full" else json.loads(needs), publish=False)
 
     def _post(self, targets: list[list[torch.Tensor]]) -> list[list[Work]]:
         """Post the receive of every bucket of every sender now (bucket b: tag b), round
@@ -216,7 +223,7 @@ class WeightReceiver:
                 return None
         return needs
 
-    def _reshard(self, needs: Needs | None) -> None:
+    def _reshard(self, needs: Needs | None, publish: bool = True) -> None:
         """Receive only `needs` from the second sync on, and tell the senders (the job store:
         `wsync/needs/<receiver>`, read by weight_sender at its second sync). None: receive
         everything, still as this tp rank's own messages."""
@@ -245,7 +252,7 @@ class WeightReceiver:
                 self.slice_flats.append(flats)
                 self.slice_copies.append(copies)
         spec = self.transport.spec
-        if spec.store is not None:
+        if publish and spec.store is not None:
             host, port, prefix = spec.store
             store = dist.PrefixStore(prefix, connect_store(host, port, spec.timeout_s))
             store.set(f"wsync/needs/{spec.me}", "full" if needs is None else json.dumps(needs))

@@ -3,12 +3,13 @@
 
 The engines of the launch receive on the group built at start-up, wsync<r> = [trainer r, every
 generator rank]: a lost one is left out of every later sync. A replacement engine
-(`python -m llamarl.launch --join RUN_DIR`) is a new process, which cannot enter that group:
-it gets a two-rank group of its own with each trainer rank, `wsync<r>/join<e>.<n>` (engine e,
-replacement n). Every trainer rank must start sending to it at the same sync, so trainer 0
-picks that sync (its next one) and writes it in `join/<e>/<n>/sync`; every trainer rank reads
-the choice before its own sync of that number (the trainers are in lockstep: rank r cannot
-start sync i + 1 before trainer 0 has finished sync i). The replacement builds its groups as
+(`python -m llamarl.launch --join RUN_DIR`) is a new process (tp of them for an engine of
+tp > 1), which cannot enter that group: it gets a group of its own with each trainer rank,
+`wsync<r>/join<e>.<n>` = [trainer r, its tp ranks] (engine e, replacement n). Every trainer
+rank must start sending to it at the same sync, so trainer 0 picks that sync (its next one) and
+writes it in `join/<e>/<n>/sync`; every trainer rank reads the choice before its own sync of
+that number (the trainers are in lockstep: rank r cannot start sync i + 1 before trainer 0 has
+finished sync i). The replacement builds its groups as
 soon as it reads the choice, and the trainers theirs at that sync.
 
 With the filesystem transport nobody waits for a receiver, so a lost engine cannot hang a sync;
@@ -69,8 +70,8 @@ class EngineMembers(Members):
         out, joining = [], set()
         for e in range(self.rt.layout.engines):
             pair = self._replacement(e, self._requests[e], i) if e in self._requests else None
-            if pair is not None:
-                out.append((e, pair, 1))
+            if pair is not None:  # its tp ranks: group ranks 1..tp
+                out += [(e, pair, 1 + k) for k in range(self.rt.layout.tp)]
                 joining.add(e)
             elif e not in lost:
                 out += [(e, self.group, dst) for dst in self.receivers[e]]
@@ -92,7 +93,8 @@ class EngineMembers(Members):
         start = replacement_start(self.rt, e, n, i)
         if start is None or start > i:
             return None
-        spec = self.rt.group_spec(join_group_name(self.rt.role.index, e, n), 0, 2)
+        spec = self.rt.group_spec(join_group_name(self.rt.role.index, e, n), 0,
+                                  1 + self.rt.layout.tp)
         self.pairs[e] = (n, make_group(spec))  # a rendezvous with the replacement
         if self.rt.role.index == 0:
             log(self.rt, f"sending weights to replacement engine {e} from sync {i}")

@@ -53,7 +53,9 @@ class TransportSpec:
     # rank, [sender, the receivers of that tp rank]; receiver: one per sender, its own tp rank)
     tp_groups: tuple[GroupSpec, ...] = ()
     store: tuple[str, int, str] | None = None  # the job store (host, port, prefix)
-    options: dict = field(default_factory=dict, hash=False)  # a custom transport's own
+    # a custom transport's own; and a replacement's (generator/loop.py): "first_sync"
+    # (filesystem), "needs" (tp > 1: what its tp rank reads, weight_receiver._reshard)
+    options: dict = field(default_factory=dict, hash=False)
 
 
 class SenderTransport(ABC):
