@@ -4,9 +4,20 @@ On CPU, vLLM prepacks linear weights for oneDNN and replaces `layer.weight` with
 neither `model.load_weights` nor `reload_weights` refreshes the packed copy, so after a weight
 sync the linears would keep the old weights, silently. Skipping the prepack keeps plain weights
 that `load_weights` updates. The weight-sync parity test guards this.
+
+An engine of several ranks (tp > 1, vLLM's `external_launcher` backend) all-reduces through a
+shared-memory segment named after `VLLM_DIST_IDENT`, which the CPU worker derives from the
+distributed init method's port. With `external_launcher` that method is "env://", so every
+tp > 1 engine on a host asks for the same segment, and the second to start fails with
+"create shm in SHMManager failed. errno: 17" (EEXIST): two such engines on one host only
+started when their set-ups did not overlap. `unique_cpu_shm_names` adds the engine's own
+rendezvous port (MASTER_PORT of its private world, engine.py) to the name.
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 
 def disable_onednn_prepack() -> None:
@@ -16,3 +27,38 @@ def disable_onednn_prepack() -> None:
         return
     if hasattr(ops, "_supports_onednn"):
         ops._supports_onednn = False
+
+
+def cpu_shm_prefix(port: int | str) -> str:
+    """The start of the names of the shared-memory segments of the engine whose private world
+    has rendezvous port `port` (in /dev/shm)."""
+    return f"llamarl-tp{port}-"
+
+
+def unique_cpu_shm_names() -> None:
+    """Name each tp > 1 engine's shared-memory all-reduce segments after its private world's
+    MASTER_PORT (unique per engine on a host), not only after "env://" (module docstring)."""
+    try:
+        from vllm.distributed.device_communicators import cpu_communicator
+    except ImportError:  # a vLLM without the CPU communicator: nothing to do
+        return
+    shm = getattr(cpu_communicator, "_CPUSHMDistributed", None)
+    if shm is None or getattr(shm, "_llamarl_unique", False):
+        return
+    make_group_name = shm.make_group_name
+
+    def unique_group_name(communicator) -> str:  # (a POSIX shm name has no inner "/")
+        name = make_group_name(communicator).lstrip("/")
+        return cpu_shm_prefix(os.environ["MASTER_PORT"]) + name
+
+    shm.make_group_name = staticmethod(unique_group_name)
+    shm._llamarl_unique = True
+
+
+def unlink_cpu_shm(port: int) -> None:
+    """Remove the shared-memory segments of the engine of rendezvous port `port`. vLLM
+    unlinks them only when it shuts down well: an engine rank that was killed, or that left
+    the job with its lost engine, would leave them in /dev/shm for good. (A segment still
+    mapped by a rank stays usable by it: unlinking only drops the name.)"""
+    for path in Path("/dev/shm").glob(cpu_shm_prefix(port) + "*"):
+        path.unlink(missing_ok=True)

@@ -22,7 +22,7 @@ import torch
 
 from llamarl.config import GeneratorConfig
 from llamarl.errors import first_line
-from llamarl.generator.cpu_fixes import disable_onednn_prepack
+from llamarl.generator.cpu_fixes import disable_onednn_prepack, unique_cpu_shm_names
 from llamarl.generator.kv_cache import (
     DEFAULT_BLOCK,
     GIB,
@@ -151,6 +151,8 @@ class Engine:
         prepare_environment(world, on_cpu)
         if on_cpu:
             disable_onednn_prepack()
+            if world is not None:
+                unique_cpu_shm_names()
         from vllm import LLM
 
         sequences = sequences or cfg.prompts_per_step // cfg.engines * cfg.samples_per_prompt
