@@ -49,7 +49,10 @@ def _wait_for_rows(tmp_path: Path, procs, n: int) -> Path:
         metrics = runs[0] / "metrics.jsonl" if runs else None
         if metrics and metrics.exists() and len(metrics.read_text().splitlines()) >= n:
             return metrics.parent
-        assert all(p.poll() is None for p in procs), procs[0].stdout.read()[-3000:]
+        if any(p.poll() is not None for p in procs):  # a rank ended before step n
+            out = procs[0].stdout.read() if procs[0].stdout else "".join(
+                log.read_text() for log in sorted(tmp_path.glob("*.log")))
+            raise AssertionError(out[-3000:])
         time.sleep(0.2)
     raise AssertionError(f"the run never reached step {n}")
 

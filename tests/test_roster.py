@@ -240,3 +240,74 @@ def test_a_lock_left_by_a_dead_holder_is_broken(store):
         pass
     assert 0.3 <= time.monotonic() - t0 < 5
     assert roster.mark_lost(1).lost == [1]
+
+
+def test_a_replacement_whose_job_ends_before_it_is_back_ends_well():
+    """The job's store goes away (the job ended, or failed) while a replacement (--join) is
+    still starting: it ends well with one line, where any other rank fails on a lost store."""
+    import subprocess
+    import sys
+
+    from llamarl.launch.watchdog import Watchdog
+    from llamarl.parallel.groups import connect_store
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", (
+        "import time; from llamarl.parallel.groups import connect_store; "
+        f"s = connect_store('127.0.0.1', {port}, 30.0, is_master=True); time.sleep(120)")])
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                client = connect_store("127.0.0.1", port, 2.0)
+                break
+            except Exception:
+                assert time.monotonic() < deadline and server.poll() is None
+                time.sleep(0.2)
+    finally:
+        server.kill()
+        server.wait()
+
+    class Ended(Exception):
+        pass
+
+    def end(how):
+        def ending(cause, *_):
+            raise Ended(f"{how}: {cause}")
+        return ending
+
+    layout = compute_layout(3, 3, 1, 2, 1)  # rank 2: engine 1, the replacement
+    for back, expected in ((False, "left: the job's store went away before this replacement "
+                                   "was back"),
+                           (True, "failed: lost the job's store")):
+        watchdog = Watchdog(lambda: client, 2, layout, 30.0)
+        watchdog.replacement_not_back = lambda back=back: not back
+        watchdog.leave, watchdog._die = end("left"), end("failed")
+        watchdog._store = client
+        with pytest.raises(Ended, match=expected):
+            watchdog._run()  # (the watchdog thread's loop, here in the test's thread)
+
+
+def test_a_replacement_is_watched_by_its_new_process_not_its_predecessors(store):
+    """A watchdog that never excused engine 1 itself (another rank declared the loss and set
+    done/<rank>) still holds the dead predecessor's pid. Once a replacement deleted
+    done/<rank> and wrote proc/<rank>, that pid being gone is no death: the new process is
+    watched instead (a stale pid once declared the replacement lost as it came back)."""
+    import json
+    import os
+    import socket
+    import subprocess
+
+    from llamarl.launch.watchdog import Watchdog
+
+    layout = compute_layout(3, 3, 1, 2, 1)  # rank 0 trainer, ranks 1-2 engines 0-1
+    trainer = Watchdog(lambda: store, 0, layout, 30.0)
+    predecessor = subprocess.Popen(["true"])
+    predecessor.wait()
+    trainer._peers_proc[2] = predecessor.pid  # (done/2 was set by another rank, then deleted)
+    host = socket.gethostname()
+    store.set("proc/2", json.dumps({"host": host, "pid": predecessor.pid}))
+    assert trainer._gone_peer(store) == 2  # no replacement: the process is gone, rank 2 died
+    store.set("proc/2", json.dumps({"host": host, "pid": os.getpid()}))  # the replacement
+    assert trainer._gone_peer(store) is None and trainer._peers_proc[2] == os.getpid()
+    assert trainer._running(2, store)

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import ROOT, child_env, torchrun
@@ -58,7 +59,10 @@ def test_two_tp2_engines_one_lost_and_replaced(tmp_path, cache_dir):
     (torchrun's supervisors keep the job: launch/supervisor.py). Then `--join RUN_DIR` starts
     a replacement of both ranks: it receives resharded weights from its first sync and takes
     slot 1 back. The run completes every step at the same batch size."""
-    steps = 150  # (~0.35 s each: time for the replacement to start and take its slot back)
+    # ~0.3 s each with one engine left: the replacement's start (python, vLLM, two ranks) on
+    # 2 cores shared with the job's 4 busy ranks took 40-60 s, and 150 steps were not always
+    # enough for it to be back before the job ended
+    steps = 300
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=6",
            "-m", "llamarl.launch", RECIPE, f"run.steps={steps}", "generator.engines=2",
            "sync.max_staleness=1", "algorithm.correction=aipo", SOLO,
@@ -66,6 +70,7 @@ def test_two_tp2_engines_one_lost_and_replaced(tmp_path, cache_dir):
     # files, not pipes: nobody reads a pipe while the test waits, and a full one would stall
     # the ranks
     logs = {name: open(tmp_path / f"{name}.log", "w+") for name in ("job", "join")}
+    segments = set(Path("/dev/shm").glob("llamarl-tp*"))  # (vLLM's tp all-reduce, cpu_fixes.py)
     job = subprocess.Popen(cmd, cwd=ROOT, env=child_env(LLAMARL_CACHE=cache_dir),
                            stdout=logs["job"], stderr=subprocess.STDOUT)
     joiner = None
@@ -105,6 +110,8 @@ def test_two_tp2_engines_one_lost_and_replaced(tmp_path, cache_dir):
     assert "sending weights to replacement engine 1" in out
     live = [r["engines_live"] for r in rows]
     assert live[0] == 2 and 1 in live and live[-1] == 2, live
+    # the killed rank's segments too: its mate removed them when it left
+    assert set(Path("/dev/shm").glob("llamarl-tp*")) <= segments
 
 
 def test_multi_turn_episodes_in_continuous_mode_with_tp(tmp_path, cache_dir):

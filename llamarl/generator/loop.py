@@ -34,12 +34,14 @@ k then bounds only batches made while the buffer is empty, i.e. when generation 
 
 from __future__ import annotations
 
+import functools
 import time
 
 from llamarl.buffer.record import RolloutBatch, episode_counts
 from llamarl.data.dataset import PromptData, load_prompt_data
 from llamarl.data.prompts import PromptFormatter
 from llamarl.generator.continuous import run_continuous
+from llamarl.generator.cpu_fixes import unlink_cpu_shm
 from llamarl.generator.engine import Engine, EngineWorld, sampler_seed
 from llamarl.generator.evaluate import Evaluator
 from llamarl.generator.slots import SlotSet
@@ -137,8 +139,13 @@ def join_as_replacement(rt: Runtime, engine: Engine) -> int:
     the job's first sync (`wsync/needs/<receiver>`, weight_receiver)."""
     e, n, trainers = rt.role.index, rt.joining, range(rt.layout.trainer_ranks)
     tp, k = rt.layout.tp, rt.role.tp_rank
-    rt.store.set(f"join/{e}", n)
-    Roster(rt.store, rt.layout.engines).note_change()  # the trainers look again
+    if k:  # tp rank 0 asks once every tp rank is up (the trainers then wait for them all)
+        rt.store.set(f"join/{e}/{n}/up/{k}", "1")
+    else:
+        for j in range(1, tp):
+            rt.wait_key(f"join/{e}/{n}/up/{j}")
+        rt.store.set(f"join/{e}", n)
+        Roster(rt.store, rt.layout.engines).note_change()  # the trainers look again
     first = int(rt.wait_key(f"join/{e}/{n}/sync"))
     options = {}
     if tp > 1 and rt.cfg.sync.reshard:  # receiver 1 + k: tp rank k of engine 0
@@ -163,20 +170,43 @@ def rejoin(rt: Runtime, weights: WeightFollower, first_sync: int) -> None:
     version = int(rt.wait_key(f"wsync/version/{first_sync}"))
     weights.resumed_at(version)  # evaluations resume at the next eval point
     if weights.follow(need=version):
+        if any(rt.store.check([f"done/{r}"])  # a rank of it found dead meanwhile
+               for r in rt.layout.engine_global_ranks(rt.role.index)):
+            rt.watchdog.leave("this replacement was declared lost before it was back",
+                              "it leaves (the job goes on as it did)")
         Roster(rt.store, rt.layout.engines).rejoin(rt.role.index)
+        rt.back = True
         log(rt, f"replacement engine {rt.role.index} has the weights of version {version}: "
                 f"back in the job")
 
 
 def run_generator(rt: Runtime) -> None:
-    cfg, g, e = rt.cfg, rt.cfg.generator, rt.role.index
-    leader = rt.role.is_engine_leader
+    cfg = rt.cfg
     data = read_prompt_data(rt)
     model_path = rt.wait_key("model/path")
     t0 = time.perf_counter()
     threads = threads_for(cfg, rt.layout, rt.role.rank) if rt.on_cpu else 0
+    world = engine_world(rt)
+    if world is None or not rt.on_cpu:
+        return run_engine(rt, data, model_path, threads, t0, world)
+    # tp > 1 on CPU: vLLM's all-reduce segments (generator/cpu_fixes.py) go however this rank
+    # ends: here, or from the watchdog when it leaves the job or fails it
+    shm_cleanup = functools.partial(unlink_cpu_shm, world.master_port)
+    rt.watchdog.local_cleanups.append(shm_cleanup)
+    try:
+        run_engine(rt, data, model_path, threads, t0, world)
+    finally:
+        shm_cleanup()
+
+
+def run_engine(rt: Runtime, data: PromptData, model_path: str, threads: int, t0: float,
+               world: EngineWorld | None) -> None:
+    """Start this rank's share of its engine, join the weight groups, and run the loop (the
+    leader) or follow the leader's engine calls (its other tp ranks)."""
+    cfg, g, e = rt.cfg, rt.cfg.generator, rt.role.index
+    leader = rt.role.is_engine_leader
     engine = Engine(model_path, g, cfg.model.dtype, seed=cfg.run.seed + e, on_cpu=rt.on_cpu,
-                    world=engine_world(rt), sequences=largest_call(rt, len(data.held_out)),
+                    world=world, sequences=largest_call(rt, len(data.held_out)),
                     engines_on_host=local_ranks(rt.layout, rt.role.rank, "generator"),
                     threads=threads)
     log(rt, f"vLLM engine up in {time.perf_counter() - t0:.1f} s ({model_path}"

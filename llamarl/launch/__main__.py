@@ -35,6 +35,16 @@ def self_launch(n_ranks: int, argv: list[str]) -> None:
     os.execv(sys.executable, cmd)
 
 
+def replacement_not_back(rt) -> bool:
+    """Whether this replacement engine (launch/join.py) has not rejoined the roster yet."""
+    from llamarl.launch.roster import Roster
+
+    try:
+        return rt.role.index in Roster(rt.store, rt.layout.engines).read().lost
+    except Exception:  # noqa: BLE001 - the store is gone: the job is over anyway
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -91,6 +101,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"llamarl: rank {env.rank}: error: {e}", file=sys.stderr, flush=True)
         time.sleep(SILENT_RANK_GRACE_S)  # the peers read the report from the store first
         os._exit(1)  # a given-up store handshake may still hold a thread
+    if rt.joining:  # until it is back (generator/loop.py: rejoin), a lost store ends it well
+        rt.watchdog.replacement_not_back = lambda: not rt.back
+    if tp_ranks:  # a replacement's other tp ranks: watched from their start
+        rt.watchdog.children = list(zip(layout.engine_global_ranks(rt.role.index)[1:],
+                                        tp_ranks))
     try:
         if rt.role.role == "trainer":
             from llamarl.trainer.loop import run_trainer
@@ -104,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as e:  # noqa: BLE001 - report every failure to the peers, then exit
         if not isinstance(e, KeyboardInterrupt):
             rt.watchdog.leave_if_mate_lost()  # this rank's engine is lost, the job goes on
+            if rt.joining and replacement_not_back(rt):  # the job goes on as it did
+                rt.watchdog.leave(f"this replacement failed before it was back in the job "
+                                  f"({type(e).__name__}: {e})")
         error = f"{type(e).__name__}: {e}"
         dead = rt.watchdog.dead_peer()  # a dead peer is the cause, not this rank's error
         if not isinstance(e, (KeyboardInterrupt, ValueError)) and dead is None:

@@ -49,6 +49,9 @@ class Runtime:
     watchdog: Watchdog
     hosts_store: bool = False  # this process serves the job store (Slurm / plain env rank 0)
     joining: str = ""  # a replacement engine (launch/join.py): its incarnation
+    # a replacement whose engine rejoined the roster (generator/loop.py: rejoin; set on its
+    # leader only, which speaks for the engine)
+    back: bool = False
 
     @property
     def on_cpu(self) -> bool:
@@ -160,6 +163,7 @@ def setup(cfg: Config, layout: Layout, env: DistEnv, joining: str = "") -> Runti
                  device, watchdog, hosts_store, joining)
     if joining:  # a replacement engine (launch/join.py): the peers watch this rank again
         store.delete_key(f"done/{env.rank}")
+        store.delete_key(f"left/{env.rank}")  # (the loss line of its predecessor's engine)
     if rt.run_dir.is_dir():  # shared filesystem (always on one host): who runs where
         with open(rt.run_dir / "ranks.jsonl", "a") as f:
             f.write(json.dumps({"rank": env.rank, "role": role.name, "host": socket.gethostname(),
@@ -209,6 +213,13 @@ def engine_loss_excuse(cfg: Config, layout: Layout, device: torch.device):
         if state is None:  # another rank's watchdog declared it first, or it was a
             for key in (f"join/{role.index}", f"join/{role.index}/claimed"):
                 store.delete_key(key)  # replacement that died before it was back
+            ranks = layout.engine_global_ranks(role.index)
+            if any(not store.check([f"done/{r}"]) for r in ranks):  # (which deleted its marks:
+                for r in ranks:  # lost again, not found dead every second)
+                    store.set(f"done/{r}", "lost")
+                print(f"llamarl: {cause}: the replacement of generator {role.index} is lost "
+                      "before it was back in the job (the job goes on as it did)",
+                      file=sys.stderr, flush=True)
             roster.note_change()
             return True
         if not state.live:

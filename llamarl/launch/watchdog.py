@@ -17,9 +17,10 @@ rank (its `done/<rank>` key, set to "lost", is deleted then).
 An engine of several ranks (generator.tp > 1) is lost whole. Its other ranks (a dead rank's
 `mates`, on the same host) leave the job when they find it dead: their watchdog within a second,
 or at once when their main thread fails on it (the engine's collectives, the leader's command
-stream: `leave_if_mate_lost`); they end well (exit 0) and mark nothing. The other ranks excuse
-the engine only once every rank of it is gone (`pending` until then), so a leader still alive
-never publishes a batch after its slot was given to another engine.
+stream: `leave_if_mate_lost`); they end well (exit 0) and mark only `left/<rank>`. The other
+ranks excuse the engine only once every rank of it is gone (`pending` until then), so a leader
+still alive never publishes a batch after its slot was given to another engine. A replacement
+(launch/join.py) that fails before it is back leaves too: the job goes on as it did.
 """
 
 from __future__ import annotations
@@ -68,6 +69,12 @@ class Watchdog:
         self.local_cleanups: list[Callable[[], None]] = []
         self._leaving = threading.Lock()
         self._peers_proc: dict[int, int] = {}  # same-host peers: rank -> pid (-1: elsewhere)
+        # a replacement's tp rank 0: the processes of its other tp ranks (launch/join.py). One
+        # that ends badly may do so before it could be watched as a peer (its setup)
+        self.children: list = []  # [(its rank, its subprocess.Popen)]
+        # a replacement: whether it is not back in the job yet (a job that ends, or fails,
+        # before then is no failure of the replacement's: it ends well)
+        self.replacement_not_back: Callable[[], bool] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -141,13 +148,14 @@ class Watchdog:
         except Exception:  # noqa: BLE001 - the store is gone: fail as the caller would
             return
 
-    def leave(self, cause: str) -> None:
+    def leave(self, cause: str, line: str = "its engine is lost, and this rank leaves the job "
+                                          "with it (the job goes on)") -> None:
         """This rank's engine is lost (`cause`: a mate died) and the job goes on without it:
-        say so and end the process well. It only marks `left/<rank>` (for the peers' line):
-        the peers find this process gone and excuse the engine once all its ranks are."""
+        say so (`line`) and end the process well. It only marks `left/<rank>` (for the peers'
+        line): the peers find this process gone and excuse the engine once all its ranks are."""
         with self._leaving:
-            print(f"llamarl: {self.role_name(self.rank)}: {cause}: its engine is lost, and this "
-                  "rank leaves the job with it (the job goes on)", file=sys.stderr, flush=True)
+            print(f"llamarl: {self.role_name(self.rank)}: {cause}: {line}", file=sys.stderr,
+                  flush=True)
             try:  # (the peers' line names the rank that died, not this one)
                 self.make_store().set(f"left/{self.rank}", "1")
             except Exception:
@@ -192,10 +200,24 @@ class Watchdog:
                 try:
                     if store is not None and store.check([f"done/{r}"]):
                         continue
+                    if store is not None and self._replaced(r, pid, store):
+                        continue
                 except Exception:
                     pass
                 return r
         return None
+
+    def _replaced(self, rank: int, pid: int, store) -> bool:
+        """Whether a replacement (launch/join.py) now runs as `rank`, whose process `pid` is
+        gone: its `proc/<rank>` names another process (then watched instead). A peer whose
+        engine another rank declared lost never had it in `excused` here, so the marks a
+        replacement deletes (`done/<rank>`) do not tell this watchdog to forget `pid`."""
+        info = json.loads(store.get(f"proc/{rank}"))
+        now = info["pid"] if info["host"] == socket.gethostname() else -1
+        if now == pid:
+            return False
+        self._peers_proc[rank] = now
+        return True
 
     def _on_sigterm(self, signum, frame) -> None:
         # No peer died and none reported a failure: the launcher was told to stop the job
@@ -240,6 +262,12 @@ class Watchdog:
                     if store.check([f"done/{r}"]):
                         self.pending.discard(r)
                         self.excused.add(r)
+                for r, child in self.children:
+                    code = child.poll()
+                    if code not in (None, 0):
+                        store.check(["failed"])  # (raises if it failed as the store went away)
+                        self._fault(r, f"{self.role_name(r)} ended with code {code} (process "
+                                       f"{child.pid})", store)
                 self._local_pids(store, peers)
                 gone = self._gone_peer(store)
                 if gone is not None:
@@ -264,6 +292,10 @@ class Watchdog:
                     return
                 if time.monotonic() - start < 5:
                     continue
+                if self.replacement_not_back is not None and self.replacement_not_back():
+                    self.leave("the job's store went away before this replacement was back in "
+                               "the job", "the job ended (or failed) without it; this "
+                               "replacement ends")
                 self._die(f"lost the job's store ({type(e).__name__}: {e}); the launcher agent "
                           "or rank 0 died", None)
 
@@ -303,7 +335,7 @@ class Watchdog:
         if rank in self.pending | self.excused or store.check([f"done/{rank}"]):
             return False
         pid = self._peers_proc.get(rank, -1)
-        return pid <= 0 or _alive(pid)
+        return pid <= 0 or _alive(pid) or self._replaced(rank, pid, store)
 
     def _die(self, cause: str, store, code: int = 1, prefix: str = "") -> None:
         """Say `cause`, record it for the peers (first report wins), clean up, end the
