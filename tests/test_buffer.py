@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import time
 from datetime import timedelta
@@ -149,6 +150,44 @@ def test_producer_close_unlinks_unconsumed_segments():
     assert ch.unconsumed() == 1
     ch.close()
     assert not list(SHM_DIR.glob(segment_prefix(run_id) + "*"))
+
+
+def test_adopting_a_channel_while_its_consumer_reads_a_batch():
+    """An engine takes over a lost engine's channel (Channel.adopt) while the trainer has popped
+    batch 1's descriptor and not yet acked it. The takeover must neither count batch 1's
+    number as free (it released that segment as "never published" before: the trainer's read
+    failed with FileNotFoundError) nor reuse it; a segment the lost producer was writing and
+    never published is released."""
+    import threading
+
+    run_id = f"test{time.monotonic_ns()}"
+    server = _store(0, True)
+    lost = ShmChannel(server, run_id, "e1t0", 4)
+    lost.put(make_batch(2, 2, seed=0))
+    lost.put(make_batch(2, 2, seed=1))
+    trainer = ShmChannel(server, run_id, "e1t0", 4)
+    try:
+        assert same(trainer.get(), make_batch(2, 2, seed=0))
+        desc = json.loads(server.queue_pop(trainer.queue_key, False))  # batch 1: popped...
+        taker = ShmChannel(server, run_id, "e1t0", 4)
+        carried = []
+        adopting = threading.Thread(target=lambda: carried.append(taker.adopt()))
+        adopting.start()
+        time.sleep(0.3)  # ...and read only now
+        batch = trainer._receive(desc)
+        server.add(trainer.acked_key, 1)
+        trainer._consumed(desc)
+        adopting.join(10)
+        assert same(batch, make_batch(2, 2, seed=1)) and carried == [2]
+        taker.put(make_batch(2, 2, seed=2))  # numbered 2, after both
+        assert same(trainer.get(), make_batch(2, 2, seed=2))
+
+        # a segment the lost producer was writing, never published: released by the taker
+        (SHM_DIR / f"{segment_prefix(run_id)}e1t0_3").write_bytes(b"partial")
+        assert ShmChannel(server, run_id, "e1t0", 4).adopt() == 3
+        assert not (SHM_DIR / f"{segment_prefix(run_id)}e1t0_3").exists()
+    finally:
+        sweep_run(run_id)
 
 
 def test_sweep_run_removes_only_that_run():

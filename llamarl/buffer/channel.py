@@ -20,6 +20,7 @@ from collections.abc import Callable
 from llamarl.buffer.record import RolloutBatch
 
 POLL_S = 0.002
+ADOPT_GRACE_S = 2.0  # adopt: time for a consumer to finish a batch it popped
 
 
 class Channel:
@@ -79,6 +80,13 @@ class Channel:
             return self.resumed()
         acked = self._acked()
         self._seq = acked + self.store.queue_len(self.queue_key)
+        # a payload at that number is one a consumer popped and reads (acked in a moment: the
+        # number moves on), or one the lost producer was writing and never published
+        deadline = time.monotonic() + ADOPT_GRACE_S
+        while self._exists(self._handle(self._seq)) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            acked = self._acked()
+            self._seq = acked + self.store.queue_len(self.queue_key)
         self._unacked = [self._handle(seq) for seq in range(acked, self._seq)]
         self._release(self._handle(self._seq))  # a payload it was writing, never published
         return self._seq
@@ -90,8 +98,10 @@ class Channel:
             self.check_alive()
             time.sleep(POLL_S)
         self.wait_s += time.perf_counter() - t0
-        batch = self._receive(json.loads(self.store.queue_pop(self.queue_key, False)))
+        desc = json.loads(self.store.queue_pop(self.queue_key, False))
+        batch = self._receive(desc)
         self.store.add(self.acked_key, 1)
+        self._consumed(desc)
         return batch
 
     # -- any exit path --------------------------------------------------------------------
@@ -120,6 +130,14 @@ class Channel:
 
     def _receive(self, desc: dict) -> RolloutBatch:
         raise NotImplementedError
+
+    def _consumed(self, desc: dict) -> None:
+        """Consumer side, after the ack: free what the transport still holds of the batch."""
+
+    def _exists(self, handle) -> bool:
+        """Whether the payload of `handle` is still there (transports whose payload outlives
+        its producer: adopt)."""
+        return False
 
     def _release(self, handle) -> bool:
         """Free an unconsumed payload; True if something was freed."""

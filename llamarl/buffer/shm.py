@@ -3,8 +3,10 @@
 Ownership contract for a segment `llamarl_<run>_<channel>_<seq>`:
   1. The producer creates it, writes every column, then pushes its descriptor. It never writes
      to it again.
-  2. The consumer pops the descriptor, maps the segment, copies the columns out, unlinks the
-     segment, and only then bumps `acked`.
+  2. The consumer pops the descriptor, maps the segment, copies the columns out, bumps
+     `acked`, and then unlinks the segment. (A segment that exists at the channel's next
+     number, `acked` + queued, is one a consumer reads now, or one a lost producer was
+     writing: `Channel.adopt` tells them apart by waiting for `acked` to move.)
   3. Until it is acked, the producer also tracks the name; on any exit it unlinks what is
      unacked (a consumer that died never will). On a failed run every rank also sweeps
      /dev/shm for the run's prefix (`sweep_run`), which covers segments of a killed peer.
@@ -66,21 +68,25 @@ class ShmChannel(Channel):
                                 "info": batch.info}
 
     def _receive(self, desc: dict) -> RolloutBatch:
-        path = SHM_DIR / desc["name"]
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(SHM_DIR / desc["name"], os.O_RDONLY)
         try:
             with mmap.mmap(fd, desc["size"], prot=mmap.PROT_READ) as mm:
                 # the one copy out: the batch's columns are views of this buffer
                 buf = torch.frombuffer(bytearray(mm), dtype=torch.uint8)
         finally:
             os.close(fd)
-            path.unlink(missing_ok=True)
         return pack.unpack(desc["layout"], buf, desc["info"])
+
+    def _consumed(self, desc: dict) -> None:  # (after the ack: see the module docstring)
+        (SHM_DIR / desc["name"]).unlink(missing_ok=True)
 
     payload_outlives_producer = True  # a segment stays in /dev/shm when its writer dies
 
     def _handle(self, seq: int) -> Path:
         return SHM_DIR / f"{self.prefix}{seq}"
+
+    def _exists(self, path: Path) -> bool:
+        return path.exists()
 
     def _release(self, path: Path) -> bool:
         if path.exists():
