@@ -302,8 +302,8 @@ class SyncConfig:
     # job, which recovers from its last checkpoint under torchrun --max-restarts / requeue.
     engine_loss: str = "continue"
     # Under torchrun, an engine whose process died is replaced by itself, this many times per
-    # engine rank (launch/supervisor.py: as `python -m llamarl.launch --join RUN_DIR` would;
-    # engines of tp 1); 0: the job goes on without it until you start a replacement.
+    # engine (launch/supervisor.py: as `python -m llamarl.launch --join RUN_DIR` would; tp > 1:
+    # by its tp rank 0's supervisor); 0: the job goes on without it until you start one.
     engine_restarts: int = 2
 
 

@@ -12,9 +12,12 @@ before (`LLAMARL_SUPERVISED=1`: it does not supervise itself).
       and the job declares it lost     -> the supervisor says so in one line and starts a
                                           replacement as its next child (`--join RUN_DIR`,
                                           sync.engine_restarts times per rank; not once the
-                                          trainers are done, nor for an engine of tp > 1,
-                                          lost whole); after the last, it exits 0: to
-                                          torchrun this worker has finished, the others go on
+                                          trainers are done; an engine of tp > 1 is lost
+                                          and replaced whole, by its tp rank 0's
+                                          supervisor, whose child may have left with it
+                                          (exit 0, `left/<rank>`)); after the last, it exits
+                                          0: to torchrun this worker has finished, the
+                                          others go on
       and the job cannot go on         -> the supervisor exits with the child's code: the
                                           job stops (and restarts under --max-restarts)
     a replacement fails otherwise      -> exits 0: the job goes on without this engine
@@ -67,10 +70,13 @@ def die_with_parent() -> None:
 
 def supervise(argv: list[str], cfg: Config, layout: Layout, env: DistEnv) -> int:
     """Run this rank as a child process; return the exit code torchrun should see."""
-    name = f"rank {env.rank} ({layout.role_of(env.rank).name})"
+    role = layout.role_of(env.rank)
+    name = f"rank {env.rank} ({role.name})"
     cmd = [sys.executable, "-m", "llamarl.launch", *argv]
-    # an engine of tp > 1 is lost whole and replaced whole by one --join (launch/join.py)
-    restarts_left, replacing = (cfg.sync.engine_restarts if layout.tp == 1 else 0), False
+    # an engine of tp > 1 is lost whole and replaced whole by one --join (launch/join.py,
+    # which starts its other tp ranks): its tp rank 0's supervisor starts it
+    restarts_left = cfg.sync.engine_restarts if role.is_engine_leader else 0
+    replacing = False
     stopping: list[int] = []
     child: subprocess.Popen | None = None
 
@@ -87,10 +93,20 @@ def supervise(argv: list[str], cfg: Config, layout: Layout, env: DistEnv) -> int
         child = subprocess.Popen(cmd, env={**os.environ, SUPERVISED: "1"},
                                  preexec_fn=die_with_parent, start_new_session=True)
         code = child.wait()
-        if code == 0 or stopping:
+        if stopping:
             return code
-        how = f"signal {-code}" if code < 0 else f"exit code {code}"
-        store = _job_store(env)
+        store = None
+        if code == 0:  # done, or (tp > 1) left the job with its lost engine: replace that
+            if layout.tp == 1 or not restarts_left:
+                return 0
+            store = _job_store(env)
+            if store is None or not _left(store, env.rank):
+                return 0
+            how = "it left the job with its lost engine"
+        else:
+            how = "its process died (" + (f"signal {-code}" if code < 0 else
+                                          f"exit code {code}") + ")"
+            store = _job_store(env)
         if store is None or not _declared_lost(store, env.rank, cfg.sync.dead_peer_s + 15.0):
             if replacing:  # a replacement that failed must not end a job that went on
                 print(f"llamarl: {name}: its replacement failed ({how}); the job goes on "
@@ -99,18 +115,29 @@ def supervise(argv: list[str], cfg: Config, layout: Layout, env: DistEnv) -> int
             return code if code > 0 else 128 - code
         run = json.loads(store.get("run"))["dir"]
         if restarts_left == 0 or store.check(["trainer/final_version"]):
-            replace = f"replace the engine: python -m llamarl.launch --join {run}"
-            if layout.tp > 1:  # (each of its tp supervisors would start one rank of it)
-                replace += f", which starts its {layout.tp} ranks; not done by itself"
-            print(f"llamarl: {name}: its process died ({how}) and the job goes on without it; "
-                  f"this worker ends well so that torchrun keeps the others ({replace})",
+            if layout.tp > 1 and not role.is_engine_leader and cfg.sync.engine_restarts:
+                replace = (f"the supervisor of generator {role.index}'s tp rank 0 starts its "
+                           "replacement")
+            else:
+                replace = f"replace the engine: python -m llamarl.launch --join {run}" + (
+                    f", which starts its {layout.tp} ranks" if layout.tp > 1 else "")
+            print(f"llamarl: {name}: {how} and the job goes on without it; this worker ends "
+                  f"well so that torchrun keeps the others ({replace})",
                   file=sys.stderr, flush=True)
             return 0
         restarts_left -= 1
-        print(f"llamarl: {name}: its process died ({how}); the job goes on without it while a "
-              f"replacement starts (sync.engine_restarts: {restarts_left} left)",
-              file=sys.stderr, flush=True)
+        what = "a replacement" if layout.tp == 1 else f"a replacement of its {layout.tp} ranks"
+        print(f"llamarl: {name}: {how}; the job goes on without it while {what} starts "
+              f"(sync.engine_restarts: {restarts_left} left)", file=sys.stderr, flush=True)
         cmd, replacing = [sys.executable, "-m", "llamarl.launch", "--join", run], True
+
+
+def _left(store, rank: int) -> bool:
+    """Whether `rank` left the job with its lost engine (watchdog.leave marks `left/<rank>`)."""
+    try:
+        return store.check([f"left/{rank}"])
+    except Exception:  # noqa: BLE001 - the store is gone: the job is over
+        return False
 
 
 def _job_store(env: DistEnv):
