@@ -156,8 +156,8 @@ def test_adopting_a_channel_while_its_consumer_reads_a_batch():
     """An engine takes over a lost engine's channel (Channel.adopt) while the trainer has popped
     batch 1's descriptor and not yet acked it. The takeover must neither count batch 1's
     number as free (it released that segment as "never published" before: the trainer's read
-    failed with FileNotFoundError) nor reuse it; a segment the lost producer was writing and
-    never published is released."""
+    failed with FileNotFoundError) nor reuse it; a segment the lost producer was writing (under
+    its temporary name) is released."""
     import threading
 
     run_id = f"test{time.monotonic_ns()}"
@@ -182,10 +182,27 @@ def test_adopting_a_channel_while_its_consumer_reads_a_batch():
         taker.put(make_batch(2, 2, seed=2))  # numbered 2, after both
         assert same(trainer.get(), make_batch(2, 2, seed=2))
 
+        # the consumer finishes (ack, unlink) between the taker's read of the count and its
+        # look at the payload (a clean-clone run hit this): the number must still move on
+        taker.put(make_batch(2, 2, seed=3))  # batch 3
+        desc = json.loads(server.queue_pop(trainer.queue_key, False))
+        racing = ShmChannel(server, run_id, "e1t0", 4)
+        look = racing._exists
+
+        def finish_then_look(path):
+            if not racing.finished:
+                racing.finished = trainer._receive(desc)
+                server.add(trainer.acked_key, 1)
+                trainer._consumed(desc)
+            return look(path)
+
+        racing.finished, racing._exists = None, finish_then_look
+        assert racing.adopt() == 4 and same(racing.finished, make_batch(2, 2, seed=3))
+
         # a segment the lost producer was writing, never published: released by the taker
-        (SHM_DIR / f"{segment_prefix(run_id)}e1t0_3").write_bytes(b"partial")
-        assert ShmChannel(server, run_id, "e1t0", 4).adopt() == 3
-        assert not (SHM_DIR / f"{segment_prefix(run_id)}e1t0_3").exists()
+        (SHM_DIR / f"{segment_prefix(run_id)}e1t0_4.tmp").write_bytes(b"partial")
+        assert ShmChannel(server, run_id, "e1t0", 4).adopt() == 4
+        assert not list(SHM_DIR.glob(f"{segment_prefix(run_id)}e1t0_4*"))
     finally:
         sweep_run(run_id)
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from llamarl.buffer.record import RolloutBatch
 
 POLL_S = 0.002
-ADOPT_GRACE_S = 2.0  # adopt: time for a consumer to finish a batch it popped
+ADOPT_GRACE_S = 30.0  # adopt: time for a consumer to finish a batch it popped
 
 
 class Channel:
@@ -78,15 +78,19 @@ class Channel:
         that is known."""
         if not self.payload_outlives_producer:
             return self.resumed()
-        acked = self._acked()
-        self._seq = acked + self.store.queue_len(self.queue_key)
-        # a payload at that number is one a consumer popped and reads (acked in a moment: the
-        # number moves on), or one the lost producer was writing and never published
+        # acked + queued is one short while a consumer has popped a batch and not acked it:
+        # then a payload is at that number, and the number moves on at the ack. (Or one was
+        # published and never pushed, the producer dying in between: released after the
+        # grace.) Read until the number holds across a look at its payload.
         deadline = time.monotonic() + ADOPT_GRACE_S
-        while self._exists(self._handle(self._seq)) and time.monotonic() < deadline:
-            time.sleep(POLL_S)
+        while True:
             acked = self._acked()
             self._seq = acked + self.store.queue_len(self.queue_key)
+            if self._exists(self._handle(self._seq)) and time.monotonic() < deadline:
+                self.check_alive()
+                time.sleep(POLL_S)
+            elif self._acked() + self.store.queue_len(self.queue_key) == self._seq:
+                break
         self._unacked = [self._handle(seq) for seq in range(acked, self._seq)]
         self._release(self._handle(self._seq))  # a payload it was writing, never published
         return self._seq

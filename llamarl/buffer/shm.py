@@ -1,12 +1,13 @@
 """Same-host rollout transport: one shared-memory segment per batch (see channel.py).
 
 Ownership contract for a segment `llamarl_<run>_<channel>_<seq>`:
-  1. The producer creates it, writes every column, then pushes its descriptor. It never writes
-     to it again.
+  1. The producer creates it under a temporary name (`.tmp`), writes every column, renames it
+     to its number and pushes its descriptor. It never writes to it again. (So a numbered
+     segment is a published batch, but for the instant between the rename and the push.)
   2. The consumer pops the descriptor, maps the segment, copies the columns out, bumps
      `acked`, and then unlinks the segment. (A segment that exists at the channel's next
-     number, `acked` + queued, is one a consumer reads now, or one a lost producer was
-     writing: `Channel.adopt` tells them apart by waiting for `acked` to move.)
+     number, `acked` + queued, is one a consumer reads now: `Channel.adopt` waits for `acked`
+     to move.)
   3. Until it is acked, the producer also tracks the name; on any exit it unlinks what is
      unacked (a consumer that died never will). On a failed run every rank also sweeps
      /dev/shm for the run's prefix (`sweep_run`), which covers segments of a killed peer.
@@ -53,9 +54,9 @@ class ShmChannel(Channel):
         self.prefix = f"{segment_prefix(run_id)}{channel}_"
 
     def _send(self, batch: RolloutBatch, seq: int) -> tuple[Path, dict]:
-        name = self._handle(seq).name
+        path = self._handle(seq)
         layout, size = pack.plan(batch)
-        fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fd = os.open(_writing(path), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, size)
             with mmap.mmap(fd, size) as mm:
@@ -64,8 +65,8 @@ class ShmChannel(Channel):
                 del view
         finally:
             os.close(fd)
-        return SHM_DIR / name, {"name": name, "size": size, "layout": layout,
-                                "info": batch.info}
+        os.rename(_writing(path), path)
+        return path, {"name": path.name, "size": size, "layout": layout, "info": batch.info}
 
     def _receive(self, desc: dict) -> RolloutBatch:
         fd = os.open(SHM_DIR / desc["name"], os.O_RDONLY)
@@ -89,7 +90,13 @@ class ShmChannel(Channel):
         return path.exists()
 
     def _release(self, path: Path) -> bool:
+        _writing(path).unlink(missing_ok=True)  # (a write a lost producer never finished)
         if path.exists():
             path.unlink(missing_ok=True)
             return True
         return False
+
+
+def _writing(path: Path) -> Path:
+    """Where the producer writes the segment `path` before it publishes it."""
+    return path.with_name(path.name + ".tmp")
