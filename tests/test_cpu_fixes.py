@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from llamarl.generator.cpu_fixes import cpu_shm_prefix, unique_cpu_shm_names, unlink_cpu_shm
+from llamarl.buffer.shm import segment_prefix
+from llamarl.generator.cpu_fixes import (
+    PREFIX_ENV,
+    cpu_shm_prefix,
+    unique_cpu_shm_names,
+    unlink_cpu_shm,
+)
 
 cpu_communicator = pytest.importorskip("vllm.distributed.device_communicators.cpu_communicator")
 
@@ -22,27 +28,29 @@ class _Communicator:  # what make_group_name reads of vLLM's CpuCommunicator
 def test_each_engine_names_its_own_segments(monkeypatch):
     """vLLM names the segments after VLLM_DIST_IDENT, "//" for every external_launcher engine:
     two engines on a host asked for the same segment (EEXIST). The name now starts with the
-    engine's own rendezvous port, and has no "/" but a leading one (POSIX shm names)."""
+    run's segment prefix and the engine's own rendezvous port, and has no "/" (POSIX)."""
     unique_cpu_shm_names()
     unique_cpu_shm_names()  # idempotent: one prefix, not two
     monkeypatch.setenv("VLLM_DIST_IDENT", "//")
     names = []
     for port in ("29600", "29601"):
-        monkeypatch.setenv("MASTER_PORT", port)
+        monkeypatch.setenv(PREFIX_ENV, cpu_shm_prefix("run1", port))
         names.append(cpu_communicator._CPUSHMDistributed.make_group_name(_Communicator()))
     assert names[0] != names[1]
     for port, name in zip(("29600", "29601"), names):
-        assert name.startswith(cpu_shm_prefix(port)) and "/" not in name
+        assert name.startswith(cpu_shm_prefix("run1", port)) and "/" not in name
+        assert name.startswith(segment_prefix("run1"))  # (swept with the run's segments)
         assert name.endswith("tp:0-[0-1]-cpushm")
 
 
 def test_unlink_removes_only_that_engines_segments():
-    mine = Path("/dev/shm") / f"{cpu_shm_prefix(os.getpid())}tp:0-[0-1]-cpushm_0"
-    other = Path("/dev/shm") / f"{cpu_shm_prefix(os.getpid() + 1)}tp:0-[0-1]-cpushm_0"
+    run = f"t{os.getpid()}"
+    mine = Path("/dev/shm") / f"{cpu_shm_prefix(run, 29600)}tp:0-[0-1]-cpushm_0"
+    other = Path("/dev/shm") / f"{cpu_shm_prefix(run, 29601)}tp:0-[0-1]-cpushm_0"
     try:
         mine.write_bytes(b"x")
         other.write_bytes(b"x")
-        unlink_cpu_shm(os.getpid())
+        unlink_cpu_shm(cpu_shm_prefix(run, 29600))
         assert not mine.exists() and other.exists()
     finally:
         mine.unlink(missing_ok=True)

@@ -213,8 +213,13 @@ def test_join_claims_a_lost_engine_once(store, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="no engine of this job is lost"):
         plan_join(str(tmp_path), overrides)
     Roster(dist.PrefixStore("llamarl/0", store), 2).mark_lost(1)
+    monkeypatch.setenv("LLAMARL_JOIN_ENGINE", "0")  # engine 0's supervisor: 0 is not lost
+    with pytest.raises(ValueError, match="no engine of this job is lost"):
+        plan_join(str(tmp_path), overrides)
+    monkeypatch.setenv("LLAMARL_JOIN_ENGINE", "1")  # engine 1's: its own
     cfg, layout, env, incarnation = plan_join(str(tmp_path), overrides)
     assert env.rank == 3 and layout.role_of(3).index == 1 and incarnation
+    monkeypatch.delenv("LLAMARL_JOIN_ENGINE")
     with pytest.raises(ValueError, match="being replaced already"):
         plan_join(str(tmp_path), overrides)
     # tp 2 (engine 1 = ranks 4-5): the process that claims it is its tp rank 0, and the tp
@@ -272,13 +277,13 @@ def test_a_replacement_whose_job_ends_before_it_is_back_ends_well():
         pass
 
     def end(how):
-        def ending(cause, *_):
-            raise Ended(f"{how}: {cause}")
+        def ending(cause, *_, **options):
+            raise Ended(f"{how}: {cause} {options}")
         return ending
 
     layout = compute_layout(3, 3, 1, 2, 1)  # rank 2: engine 1, the replacement
     for back, expected in ((False, "left: the job's store went away before this replacement "
-                                   "was back"),
+                                   "was back.*'mark': False"),  # (no new connection)
                            (True, "failed: lost the job's store")):
         watchdog = Watchdog(lambda: client, 2, layout, 30.0)
         watchdog.replacement_not_back = lambda back=back: not back
@@ -311,3 +316,31 @@ def test_a_replacement_is_watched_by_its_new_process_not_its_predecessors(store)
     store.set("proc/2", json.dumps({"host": host, "pid": os.getpid()}))  # the replacement
     assert trainer._gone_peer(store) is None and trainer._peers_proc[2] == os.getpid()
     assert trainer._running(2, store)
+
+
+def test_a_replacement_found_dead_before_it_is_back_never_rejoins(store, capsys):
+    """The excuse of a replacement's rank found dead and the replacement's rejoin take the
+    roster lock in turn: either the replacement is marked lost again first (then it cannot
+    rejoin: a slot nobody makes would hang the job), or it rejoined first (then its death is
+    a loss like any other)."""
+    layout = compute_layout(4, 4, 2, 2, 1)  # ranks 0-1 trainers, 2-3 engines 0-1
+    excuse = engine_loss_excuse(_cfg(), layout, torch.device("cpu"))
+    roster = Roster(store, 2)
+    assert excuse(store, 3, "rank 3 (generator 1) died")  # the loss
+    capsys.readouterr()
+
+    def claim():  # what a replacement does (launch/join.py, runtime.setup)
+        assert store.compare_set("join/1/claimed", "", "abc") == b"abc"
+        store.delete_key("done/3")
+
+    claim()
+    assert excuse(store, 3, "rank 3 (generator 1) died (process 9 is gone)")
+    assert "the replacement of generator 1 is lost before it was back" in capsys.readouterr().err
+    assert store.get("done/3") == b"lost" and not store.check(["join/1/claimed"])
+    assert roster.rejoin(1, [3]) is None and roster.read().lost == [1]
+
+    claim()  # a second replacement, back before its rank is found dead
+    assert roster.rejoin(1, [3]) is not None and roster.read().lost == []
+    assert excuse(store, 3, "rank 3 (generator 1) died (process 10 is gone)")
+    assert "the job goes on with 1 of 2 engines" in capsys.readouterr().err
+    assert roster.read().lost == [1] and store.get("done/3") == b"lost"

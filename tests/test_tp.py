@@ -71,7 +71,7 @@ def test_two_tp2_engines_one_lost_and_replaced(tmp_path, cache_dir):
     # a file, not a pipe: nobody reads a pipe while the test waits, and a full one would stall
     # the ranks
     log = open(tmp_path / "job.log", "w+")
-    segments = set(Path("/dev/shm").glob("llamarl-tp*"))  # (vLLM's tp all-reduce, cpu_fixes.py)
+    segments = set(Path("/dev/shm").glob("llamarl_*"))  # (vLLM's tp all-reduce too: cpu_fixes)
     job = subprocess.Popen(cmd, cwd=ROOT, env=child_env(LLAMARL_CACHE=cache_dir),
                            stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -106,8 +106,8 @@ def test_two_tp2_engines_one_lost_and_replaced(tmp_path, cache_dir):
     assert "sending weights to replacement engine 1" in out
     live = [r["engines_live"] for r in rows]
     assert live[0] == 2 and 1 in live and live[-1] == 2, live
-    # the killed rank's segments too: its mate removed them when it left
-    assert set(Path("/dev/shm").glob("llamarl-tp*")) <= segments
+    # the run's, and its engines' (the killed rank's too: its mate removed them as it left)
+    assert set(Path("/dev/shm").glob("llamarl_*")) <= segments
 
 
 def test_multi_turn_episodes_in_continuous_mode_with_tp(tmp_path, cache_dir):

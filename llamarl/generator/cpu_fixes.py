@@ -10,8 +10,8 @@ shared-memory segment named after `VLLM_DIST_IDENT`, which the CPU worker derive
 distributed init method's port. With `external_launcher` that method is "env://", so every
 tp > 1 engine on a host asks for the same segment, and the second to start fails with
 "create shm in SHMManager failed. errno: 17" (EEXIST): two such engines on one host only
-started when their set-ups did not overlap. `unique_cpu_shm_names` adds the engine's own
-rendezvous port (MASTER_PORT of its private world, engine.py) to the name.
+started when their set-ups did not overlap. `unique_cpu_shm_names` starts the name with the
+run's segment prefix and the engine's own rendezvous port (its private world, engine.py).
 """
 
 from __future__ import annotations
@@ -29,15 +29,22 @@ def disable_onednn_prepack() -> None:
         ops._supports_onednn = False
 
 
-def cpu_shm_prefix(port: int | str) -> str:
-    """The start of the names of the shared-memory segments of the engine whose private world
-    has rendezvous port `port` (in /dev/shm)."""
-    return f"llamarl-tp{port}-"
+PREFIX_ENV = "LLAMARL_VLLM_SHM_PREFIX"  # set by engine.prepare_environment
+
+
+def cpu_shm_prefix(run_id: str, port: int | str) -> str:
+    """The start of the names (in /dev/shm) of the shared-memory segments of the engine of run
+    `run_id` whose private world has rendezvous port `port`: the run's prefix, so that the
+    run's sweep (buffer/shm.py: sweep_run, on every rank of a failing job) removes them too."""
+    from llamarl.buffer.shm import segment_prefix
+
+    return f"{segment_prefix(run_id)}tp{port}-"
 
 
 def unique_cpu_shm_names() -> None:
-    """Name each tp > 1 engine's shared-memory all-reduce segments after its private world's
-    MASTER_PORT (unique per engine on a host), not only after "env://" (module docstring)."""
+    """Name each tp > 1 engine's shared-memory all-reduce segments after its run and its
+    private world's rendezvous port (unique per engine on a host), not only after "env://"
+    (module docstring)."""
     try:
         from vllm.distributed.device_communicators import cpu_communicator
     except ImportError:  # a vLLM without the CPU communicator: nothing to do
@@ -48,17 +55,16 @@ def unique_cpu_shm_names() -> None:
     make_group_name = shm.make_group_name
 
     def unique_group_name(communicator) -> str:  # (a POSIX shm name has no inner "/")
-        name = make_group_name(communicator).lstrip("/")
-        return cpu_shm_prefix(os.environ["MASTER_PORT"]) + name
+        return os.environ[PREFIX_ENV] + make_group_name(communicator).lstrip("/")
 
     shm.make_group_name = staticmethod(unique_group_name)
     shm._llamarl_unique = True
 
 
-def unlink_cpu_shm(port: int) -> None:
-    """Remove the shared-memory segments of the engine of rendezvous port `port`. vLLM
-    unlinks them only when it shuts down well: an engine rank that was killed, or that left
-    the job with its lost engine, would leave them in /dev/shm for good. (A segment still
-    mapped by a rank stays usable by it: unlinking only drops the name.)"""
-    for path in Path("/dev/shm").glob(cpu_shm_prefix(port) + "*"):
+def unlink_cpu_shm(prefix: str) -> None:
+    """Remove the shared-memory segments named `prefix`... (cpu_shm_prefix). vLLM unlinks
+    them only when it shuts down well: an engine rank that was killed, or that left the job
+    with its lost engine, would leave them in /dev/shm for good. (A segment still mapped by a
+    rank stays usable by it: unlinking only drops the name.)"""
+    for path in Path("/dev/shm").glob(prefix + "*"):
         path.unlink(missing_ok=True)

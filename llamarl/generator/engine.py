@@ -22,7 +22,7 @@ import torch
 
 from llamarl.config import GeneratorConfig
 from llamarl.errors import first_line
-from llamarl.generator.cpu_fixes import disable_onednn_prepack, unique_cpu_shm_names
+from llamarl.generator.cpu_fixes import PREFIX_ENV, disable_onednn_prepack, unique_cpu_shm_names
 from llamarl.generator.kv_cache import (
     DEFAULT_BLOCK,
     GIB,
@@ -119,6 +119,7 @@ class EngineWorld:
     master_addr: str
     master_port: int
     local_rank: int
+    shm_prefix: str = ""  # its shared-memory segments' names (cpu_fixes.cpu_shm_prefix)
 
 
 def prepare_environment(world: EngineWorld | None, on_cpu: bool) -> None:
@@ -136,6 +137,7 @@ def prepare_environment(world: EngineWorld | None, on_cpu: bool) -> None:
         os.environ.update(RANK=str(world.tp_rank), WORLD_SIZE=str(world.tp),
                           LOCAL_RANK=str(world.local_rank), MASTER_ADDR=world.master_addr,
                           MASTER_PORT=str(world.master_port))
+        os.environ[PREFIX_ENV] = world.shm_prefix or f"llamarl-tp{world.master_port}-"
 
 
 class Engine:

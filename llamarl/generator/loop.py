@@ -41,7 +41,7 @@ from llamarl.buffer.record import RolloutBatch, episode_counts
 from llamarl.data.dataset import PromptData, load_prompt_data
 from llamarl.data.prompts import PromptFormatter
 from llamarl.generator.continuous import run_continuous
-from llamarl.generator.cpu_fixes import unlink_cpu_shm
+from llamarl.generator.cpu_fixes import cpu_shm_prefix, unlink_cpu_shm
 from llamarl.generator.engine import Engine, EngineWorld, sampler_seed
 from llamarl.generator.evaluate import Evaluator
 from llamarl.generator.slots import SlotSet
@@ -66,7 +66,8 @@ def engine_world(rt: Runtime) -> EngineWorld | None:
     if rt.role.is_engine_leader:
         rt.store.set(key, str(free_port()))
     port = int(rt.wait_key(key))
-    return EngineWorld(rt.role.tp_rank, rt.layout.tp, "127.0.0.1", port, rt.env.local_rank)
+    return EngineWorld(rt.role.tp_rank, rt.layout.tp, "127.0.0.1", port, rt.env.local_rank,
+                       cpu_shm_prefix(rt.run_id, port))
 
 
 def engine_commands(rt: Runtime) -> EngineCommands:
@@ -170,11 +171,10 @@ def rejoin(rt: Runtime, weights: WeightFollower, first_sync: int) -> None:
     version = int(rt.wait_key(f"wsync/version/{first_sync}"))
     weights.resumed_at(version)  # evaluations resume at the next eval point
     if weights.follow(need=version):
-        if any(rt.store.check([f"done/{r}"])  # a rank of it found dead meanwhile
-               for r in rt.layout.engine_global_ranks(rt.role.index)):
-            rt.watchdog.leave("this replacement was declared lost before it was back",
-                              "it leaves (the job goes on as it did)")
-        Roster(rt.store, rt.layout.engines).rejoin(rt.role.index)
+        ranks = rt.layout.engine_global_ranks(rt.role.index)
+        if Roster(rt.store, rt.layout.engines).rejoin(rt.role.index, ranks) is None:
+            rt.watchdog.leave("this replacement was declared lost before it was back (a rank "
+                              "of it found dead)", "it leaves (the job goes on as it did)")
         rt.back = True
         log(rt, f"replacement engine {rt.role.index} has the weights of version {version}: "
                 f"back in the job")
@@ -191,7 +191,7 @@ def run_generator(rt: Runtime) -> None:
         return run_engine(rt, data, model_path, threads, t0, world)
     # tp > 1 on CPU: vLLM's all-reduce segments (generator/cpu_fixes.py) go however this rank
     # ends: here, or from the watchdog when it leaves the job or fails it
-    shm_cleanup = functools.partial(unlink_cpu_shm, world.master_port)
+    shm_cleanup = functools.partial(unlink_cpu_shm, world.shm_prefix)
     rt.watchdog.local_cleanups.append(shm_cleanup)
     try:
         run_engine(rt, data, model_path, threads, t0, world)
@@ -296,7 +296,9 @@ def lead(rt: Runtime, engine: Engine, data: PromptData, model_path: str,
             with timeline.phase("put", b):
                 slots.put(slot, batch, abort=weights.trainer_done)
         weights.finish()
-    except BaseException:
+    except BaseException as e:
+        if not isinstance(e, KeyboardInterrupt):  # its engine lost and the job going on: the
+            rt.watchdog.leave_if_mate_lost()  # batches it published are still the trainers'
         slots.close()  # failing: unlink what is in flight at once
         raise
     finally:

@@ -36,13 +36,16 @@ def self_launch(n_ranks: int, argv: list[str]) -> None:
 
 
 def replacement_not_back(rt) -> bool:
-    """Whether this replacement engine (launch/join.py) has not rejoined the roster yet."""
+    """Whether this replacement engine (launch/join.py) has not rejoined the roster yet (read
+    from the store while it is there; `rt.back` remembers it for when it is gone)."""
     from llamarl.launch.roster import Roster
 
-    try:
-        return rt.role.index in Roster(rt.store, rt.layout.engines).read().lost
-    except Exception:  # noqa: BLE001 - the store is gone: the job is over anyway
-        return False
+    if not rt.back:
+        try:
+            rt.back = rt.role.index not in Roster(rt.store, rt.layout.engines).read().lost
+        except Exception:  # noqa: BLE001 - the store is gone: as last read
+            pass
+    return not rt.back
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(SILENT_RANK_GRACE_S)  # the peers read the report from the store first
         os._exit(1)  # a given-up store handshake may still hold a thread
     if rt.joining:  # until it is back (generator/loop.py: rejoin), a lost store ends it well
-        rt.watchdog.replacement_not_back = lambda: not rt.back
+        rt.watchdog.replacement_not_back = lambda: replacement_not_back(rt)
     if tp_ranks:  # a replacement's other tp ranks: watched from their start
         rt.watchdog.children = list(zip(layout.engine_global_ranks(rt.role.index)[1:],
                                         tp_ranks))

@@ -2,7 +2,8 @@
 engine of a running job (launch/roster.py).
 
 The run directory says where the job's store is (`store.json`), its recipe and its layout. The
-replacement claims the first lost engine nobody replaces yet and takes its global rank: the
+replacement claims the first lost engine nobody replaces yet (a supervisor's replacement:
+its own engine, `LLAMARL_JOIN_ENGINE`, launch/supervisor.py) and takes its global rank: the
 watchdogs of the other ranks watch that rank again once this process deletes its `done/<rank>`
 mark. It then starts its engine, receives the trainers' weights from the sync trainer 0 picks
 for it (trainer/weight_members.py), rejoins the roster and takes its slot back from the engine
@@ -34,6 +35,7 @@ from llamarl.parallel.groups import connect_store
 
 # set for the other tp ranks of a replacement (spawn_tp_ranks): "<engine>:<incarnation>:<tp rank>"
 TP_RANK_ENV = "LLAMARL_JOIN_TP_RANK"
+ENGINE_ENV = "LLAMARL_JOIN_ENGINE"  # the engine to replace (its supervisor's), else any lost
 
 
 def plan_join(run_dir: str, overrides: list[str]) -> tuple[Config, Layout, DistEnv, str]:
@@ -61,6 +63,8 @@ def plan_join(run_dir: str, overrides: list[str]) -> tuple[Config, Layout, DistE
         engine, tp_rank = int(e), int(k)
     else:
         lost = Roster(store, layout.engines).read().lost
+        if os.environ.get(ENGINE_ENV):  # a supervisor replaces the engine of its own rank
+            lost = [e for e in lost if e == int(os.environ[ENGINE_ENV])]
         incarnation, tp_rank = secrets.token_hex(3), 0
         engine = next((e for e in lost if store.compare_set(
             f"join/{e}/claimed", "", incarnation).decode() == incarnation), None)

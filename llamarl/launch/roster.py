@@ -124,19 +124,39 @@ class Roster:
             self.note_change()
             return state
 
-    def rejoin(self, engine: int) -> RosterState:
+    def rejoin(self, engine: int, ranks: list[int] = ()) -> RosterState | None:
         """A replacement for lost `engine` joined: it is live again and owns its own slot
-        (the engine that adopted it hands it over at its next batch boundary)."""
+        (the engine that adopted it hands it over at its next batch boundary). None, and
+        nothing changed, when one of its `ranks` was found dead meanwhile (`done/<rank>` set
+        again: lose_replacement)."""
         with self._locked():
             state = self.read()
             if engine not in state.lost:
                 raise ValueError(f"engine {engine} is not lost: it cannot be replaced")
+            if any(self.store.check([f"done/{r}"]) for r in ranks):
+                return None
             state.lost = [e for e in state.lost if e != engine]
             state.owner[engine] = engine
             state.epoch += 1
             self.store.set(KEY, state.to_json())
             self.note_change()
             return state
+
+    def lose_replacement(self, engine: int, ranks: list[int]) -> bool | None:
+        """A rank of lost `engine` was found dead: if a replacement had claimed it (it deleted
+        its ranks' `done/<rank>` marks), mark them lost again, under the lock that `rejoin`
+        takes, so it either rejoins before (None: the engine is live, declare the loss anew)
+        or never. Returns whether a replacement was lost (False: nothing to do)."""
+        with self._locked():
+            if engine not in self.read().lost:
+                return None
+            if not self.store.check([f"join/{engine}/claimed"]):
+                return False
+            if all(self.store.check([f"done/{r}"]) for r in ranks):
+                return False  # (marked already)
+            for r in ranks:
+                self.store.set(f"done/{r}", "lost")
+            return True
 
     def _locked(self, stale_s: float = LOCK_STALE_S):
         """The roster's store lock. Its holders change a few keys and let go within

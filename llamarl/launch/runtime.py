@@ -209,22 +209,25 @@ def engine_loss_excuse(cfg: Config, layout: Layout, device: torch.device):
         if role.role != "generator" or not survives:
             return False
         roster = Roster(store, layout.engines)
-        state = roster.mark_lost(role.index)
+        ranks = layout.engine_global_ranks(role.index)
+        state, replaced = roster.mark_lost(role.index), False
         if state is None:  # another rank's watchdog declared it first, or it was a
-            for key in (f"join/{role.index}", f"join/{role.index}/claimed"):
-                store.delete_key(key)  # replacement that died before it was back
-            ranks = layout.engine_global_ranks(role.index)
-            if any(not store.check([f"done/{r}"]) for r in ranks):  # (which deleted its marks:
-                for r in ranks:  # lost again, not found dead every second)
-                    store.set(f"done/{r}", "lost")
+            # replacement that died before it was back (it deleted its ranks' marks)
+            replaced = roster.lose_replacement(role.index, ranks)
+            if replaced is None:  # it rejoined just now: a loss like any other
+                state = roster.mark_lost(role.index)
+        if state is None:
+            if replaced:
                 print(f"llamarl: {cause}: the replacement of generator {role.index} is lost "
                       "before it was back in the job (the job goes on as it did)",
                       file=sys.stderr, flush=True)
+            for key in (f"join/{role.index}", f"join/{role.index}/claimed"):
+                store.delete_key(key)
             roster.note_change()
             return True
         if not state.live:
             return False  # the last engine: the job cannot go on
-        for r in layout.engine_global_ranks(role.index):
+        for r in ranks:
             store.set(f"done/{r}", "lost")
         moved = [s for s in range(layout.engines) if state.owner[s] != s]  # made by others
         print(f"llamarl: {cause}: the job goes on with {len(state.live)} of {layout.engines} "

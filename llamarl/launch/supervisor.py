@@ -11,7 +11,7 @@ before (`LLAMARL_SUPERVISED=1`: it does not supervise itself).
     child dies (kill -9, OOM, a crash)
       and the job declares it lost     -> the supervisor says so in one line and starts a
                                           replacement as its next child (`--join RUN_DIR`,
-                                          sync.engine_restarts times per rank; not once the
+                                          sync.engine_restarts times per engine; not once the
                                           trainers are done; an engine of tp > 1 is lost
                                           and replaced whole, by its tp rank 0's
                                           supervisor, whose child may have left with it
@@ -20,7 +20,9 @@ before (`LLAMARL_SUPERVISED=1`: it does not supervise itself).
                                           others go on
       and the job cannot go on         -> the supervisor exits with the child's code: the
                                           job stops (and restarts under --max-restarts)
-    a replacement fails otherwise      -> exits 0: the job goes on without this engine
+    a replacement fails otherwise      -> (it left, exit 0: replaced again as above, within
+                                          sync.engine_restarts) exits 0: the job goes on
+                                          without this engine
     torchrun stops the job (SIGTERM)   -> passed on to the child, whose code is returned
 
 The other ranks' watchdogs watch the child (its pid is the rank's, `proc/<rank>`). The child
@@ -96,8 +98,9 @@ def supervise(argv: list[str], cfg: Config, layout: Layout, env: DistEnv) -> int
         if stopping:
             return code
         store = None
-        if code == 0:  # done, or (tp > 1) left the job with its lost engine: replace that
-            if layout.tp == 1 or not restarts_left:
+        if code == 0:  # done, or left the job with its lost engine (a tp > 1 engine's rank
+            # whose mate died; a replacement that failed before it was back): replace that
+            if not restarts_left:
                 return 0
             store = _job_store(env)
             if store is None or not _left(store, env.rank):
@@ -115,7 +118,8 @@ def supervise(argv: list[str], cfg: Config, layout: Layout, env: DistEnv) -> int
             return code if code > 0 else 128 - code
         run = json.loads(store.get("run"))["dir"]
         if restarts_left == 0 or store.check(["trainer/final_version"]):
-            if layout.tp > 1 and not role.is_engine_leader and cfg.sync.engine_restarts:
+            if (layout.tp > 1 and not role.is_engine_leader and cfg.sync.engine_restarts
+                    and not store.check(["trainer/final_version"])):
                 replace = (f"the supervisor of generator {role.index}'s tp rank 0 starts its "
                            "replacement")
             else:
@@ -130,6 +134,9 @@ def supervise(argv: list[str], cfg: Config, layout: Layout, env: DistEnv) -> int
         print(f"llamarl: {name}: {how}; the job goes on without it while {what} starts "
               f"(sync.engine_restarts: {restarts_left} left)", file=sys.stderr, flush=True)
         cmd, replacing = [sys.executable, "-m", "llamarl.launch", "--join", run], True
+        from llamarl.launch.join import ENGINE_ENV
+
+        os.environ[ENGINE_ENV] = str(role.index)  # (its own engine, on its own node)
 
 
 def _left(store, rank: int) -> bool:

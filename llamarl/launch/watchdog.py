@@ -149,17 +149,18 @@ class Watchdog:
             return
 
     def leave(self, cause: str, line: str = "its engine is lost, and this rank leaves the job "
-                                          "with it (the job goes on)") -> None:
+                                          "with it (the job goes on)", mark: bool = True) -> None:
         """This rank's engine is lost (`cause`: a mate died) and the job goes on without it:
         say so (`line`) and end the process well. It only marks `left/<rank>` (for the peers'
         line): the peers find this process gone and excuse the engine once all its ranks are."""
         with self._leaving:
             print(f"llamarl: {self.role_name(self.rank)}: {cause}: {line}", file=sys.stderr,
                   flush=True)
-            try:  # (the peers' line names the rank that died, not this one)
-                self.make_store().set(f"left/{self.rank}", "1")
-            except Exception:
-                pass
+            if mark:  # (the peers' line names the rank that died, not this one). At most 5 s:
+                # with the store gone a new connection would retry for sync.timeout_s
+                marking = threading.Thread(target=self._mark_left, daemon=True)
+                marking.start()
+                marking.join(5.0)
             for fn in self.local_cleanups:
                 try:
                     fn()
@@ -206,6 +207,12 @@ class Watchdog:
                     pass
                 return r
         return None
+
+    def _mark_left(self) -> None:
+        try:
+            self.make_store().set(f"left/{self.rank}", "1")
+        except Exception:  # noqa: BLE001 - the store is gone: nobody reads the mark
+            pass
 
     def _replaced(self, rank: int, pid: int, store) -> bool:
         """Whether a replacement (launch/join.py) now runs as `rank`, whose process `pid` is
@@ -262,10 +269,14 @@ class Watchdog:
                     if store.check([f"done/{r}"]):
                         self.pending.discard(r)
                         self.excused.add(r)
+                if self.replacement_not_back is not None:
+                    self.replacement_not_back()  # (read while the store is there)
                 for r, child in self.children:
                     code = child.poll()
                     if code not in (None, 0):
-                        store.check(["failed"])  # (raises if it failed as the store went away)
+                        msg = self._failure_message(store)  # (raises if the store is gone:
+                        if msg:  # it failed as the job ended)
+                            self._die(msg, store, prefix="stopping: ")
                         self._fault(r, f"{self.role_name(r)} ended with code {code} (process "
                                        f"{child.pid})", store)
                 self._local_pids(store, peers)
@@ -295,7 +306,7 @@ class Watchdog:
                 if self.replacement_not_back is not None and self.replacement_not_back():
                     self.leave("the job's store went away before this replacement was back in "
                                "the job", "the job ended (or failed) without it; this "
-                               "replacement ends")
+                               "replacement ends", mark=False)
                 self._die(f"lost the job's store ({type(e).__name__}: {e}); the launcher agent "
                           "or rank 0 died", None)
 
