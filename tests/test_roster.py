@@ -344,3 +344,16 @@ def test_a_replacement_found_dead_before_it_is_back_never_rejoins(store, capsys)
     assert excuse(store, 3, "rank 3 (generator 1) died (process 10 is gone)")
     assert "the job goes on with 1 of 2 engines" in capsys.readouterr().err
     assert roster.read().lost == [1] and store.get("done/3") == b"lost"
+
+
+def test_peek_reads_a_key_without_waiting_or_setting_it(store):
+    """watchdog.peek: a check then a get waited sync.timeout_s for a key deleted in between
+    (a replacement deletes its done/<rank> while the others' watchdogs start)."""
+    from llamarl.launch.watchdog import peek
+
+    t0 = time.monotonic()
+    assert peek(store, "done/7") is None and not store.check(["done/7"])
+    store.set("done/7", "lost")
+    assert peek(store, "done/7") == b"lost"
+    store.delete_key("done/7")
+    assert peek(store, "done/7") is None and time.monotonic() - t0 < 2

@@ -25,6 +25,7 @@ from llamarl.data.loader import PromptLoader, shard
 from llamarl.data.prompts import PromptFormatter
 from llamarl.launch.roster import Roster
 from llamarl.launch.runtime import Runtime, log
+from llamarl.launch.watchdog import peek
 
 
 @dataclass
@@ -168,7 +169,7 @@ class SlotSet:
         if self.keep_states:
             store = self.rt.store
             me = f"done/{self.rt.role.rank}"
-            if store.check([me]) and store.get(me) == b"lost":
+            if peek(store, me) == b"lost":
                 # declared lost while it stalled (silent for sync.dead_peer_s, or its engine's
                 # other rank gone): its slots are another engine's now; publish nothing
                 self.rt.watchdog.leave("this engine was declared lost while it stalled and "

@@ -249,8 +249,7 @@ class Watchdog:
         start = time.monotonic()
         try:  # peers lost before this rank started (it may be their replacement's tp rank):
             # watched again once their replacement is back (below), not by their old pid
-            self.excused = {r for r in peers if store.check([f"done/{r}"])
-                            and store.get(f"done/{r}") == b"lost"}
+            self.excused = {r for r in peers if peek(store, f"done/{r}") == b"lost"}
         except Exception:  # noqa: BLE001 - the loop below names a store that is gone
             pass
         while not self._stop.wait(HEARTBEAT_S):
@@ -376,3 +375,15 @@ def _alive(pid: int) -> bool:
         return False
     except OSError:
         return True
+
+
+_ABSENT = "\x00llamarl-absent"
+
+
+def peek(store, key: str) -> bytes | None:
+    """The value of `key`, or None if it is not set, in one store call that never waits (a
+    check then a get would wait for a key deleted in between: a replacement deletes its
+    `done/<rank>`). TCPStore's compare_set with an expected value that is never stored sets
+    nothing and returns that value for a missing key, else the key's value."""
+    value = store.compare_set(key, _ABSENT, _ABSENT)
+    return None if value == _ABSENT.encode() else value
