@@ -25,6 +25,7 @@ long-tailed completion lengths (log-uniform in [4, --completion-len]) and prompt
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -104,6 +105,34 @@ def synthetic_batch(args, vocab: int, rank: int):
     return RolloutBatch.from_lists(prompts, comps, lps, rewards, gids, [True] * n, 0, 0)
 
 
+def update_flops(config, batch) -> float:
+    """Model FLOPs of one GRPO update of `batch` (forward + backward = 3 forwards, no
+    recomputation counted, as MFU is defined): per token 6 x the parameters of every matrix
+    product (the decoder's projections and the LM head; the embedding lookup is none), plus
+    causal attention, 6 x layers x (heads x head_dim) x L^2 per sequence of L tokens
+    (QK^T and PV, 2 x 2 x d x L^2 / 2 each way)."""
+    h, layers = config.hidden_size, config.num_hidden_layers
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    d_head = getattr(config, "head_dim", None) or h // heads
+    per_layer = h * d_head * (2 * heads + 2 * kv) + 3 * h * config.intermediate_size
+    matmul_params = layers * per_layer + h * config.vocab_size
+    lens = batch.seq_lens.double()
+    return float(6 * matmul_params * lens.sum() + 6 * layers * heads * d_head * (lens**2).sum())
+
+
+def print_profile(update, cuda: bool) -> None:
+    """torch.profiler's 25 most expensive operators of one update, by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        update()
+        if cuda:
+            torch.cuda.synchronize()
+    key = "cuda_time_total" if cuda else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=25), file=sys.stderr, flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", choices=["tiny", "24m", "32k", "0.5b"], default="tiny")
@@ -119,6 +148,14 @@ def main() -> None:
     p.add_argument("--compare", action="store_true", help="padded vs packed + chunked head")
     p.add_argument("--budget", type=int, default=2048, help="tokens per packed micro-batch")
     p.add_argument("--nproc", type=int, default=1, help="trainer ranks with --compare")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a recipe override for every measured update (repeatable)")
+    p.add_argument("--chunk-mib", type=float, default=None,
+                   help="llamarl.trainer.policy.LOGPROB_CHUNK_MIB for the packed variant")
+    p.add_argument("--profile", action="store_true",
+                   help="print torch.profiler's top kernels of one timed GRPO update")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="the device's dense peak for MFU (default: H100/H200 bf16 989)")
     p.add_argument("--variant", choices=["both_algorithms", "padded", "packed"],
                    default="both_algorithms", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -148,14 +185,17 @@ def main() -> None:
 
     variant = []
     if args.variant == "padded":
-        policy_mod.LOGPROB_CHUNK_MIB = 0  # whole logits, one softmax: as before the chunking
+        # whole logits, one softmax: as before the chunking
+        policy_mod.LOGPROB_CHUNK_MIB = policy_mod.LOGPROB_CHUNK_MIB_CUDA = 0
     elif args.variant == "packed":
         variant = [f"trainer.max_tokens_per_micro_batch={args.budget}"]
+        if args.chunk_mib is not None:
+            policy_mod.LOGPROB_CHUNK_MIB = policy_mod.LOGPROB_CHUNK_MIB_CUDA = args.chunk_mib
     results = {}
     for alg in ("grpo", "ppo") if args.variant == "both_algorithms" else ("grpo",):
         extra = ["algorithm.name=ppo", "algorithm.kl_coef=0.01", "algorithm.kl_mode=reward",
                  "algorithm.kl_estimator=k1"] if alg == "ppo" else []
-        extra += variant
+        extra += variant + args.set
         cfg = load_config(None, [f"trainer.micro_batch_size={args.micro_batch}",
                                  f"trainer.ranks={world}", f"model.dtype={args.dtype}",
                                  f"trainer.master_dtype={args.master_dtype}",
@@ -164,7 +204,8 @@ def main() -> None:
         model = load_policy(path, args.master_dtype).to(device)
         vocab = model.config.vocab_size
         apply_fsdp(model, mesh, DTYPES[args.dtype],
-                   gradient_checkpointing=args.gradient_checkpointing)
+                   gradient_checkpointing=args.gradient_checkpointing,
+                   compile=cfg.trainer.compile)
         trainer = PolicyTrainer(model, cfg.trainer, 100, world, device)
         critic = build_critic(cfg, path, mesh, device, 100, world) if alg == "ppo" else None
         reference = load_reference(cfg, path, mesh, device)
@@ -184,11 +225,18 @@ def main() -> None:
             if i:  # the first is warm-up
                 times.append(time.perf_counter() - t0)
         med = statistics.median(times)
+        if args.profile and alg == "grpo" and rank == 0:
+            print_profile(functools.partial(policy_step, trainer, batch, cfg, pad), cuda)
+        flops = update_flops(model.config, batch) * world  # every rank's batch is alike
+        peak = args.peak_tflops or (989.0 if cuda and "H1" in torch.cuda.get_device_name()
+                                    else None)
         rss = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 2**20
         results[alg] = {"update_s": med, "trained_tokens_per_s": stats["n_tokens_all"] / med,
                         "padding_share": stats["padding_share"],
                         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda
-                        else None, "cpu_peak_rss_growth_gib": None if cuda else rss}
+                        else None, "cpu_peak_rss_growth_gib": None if cuda else rss,
+                        "model_tflops_per_s": flops / med / 1e12 / world,
+                        "mfu": flops / med / 1e12 / world / peak if peak else None}
         del model, trainer, critic, reference
         if cuda:
             torch.cuda.empty_cache()
@@ -221,6 +269,8 @@ def compare(args) -> None:
             capture_output=True, text=True)
         if proc.returncode != 0:
             sys.exit(f"the {variant} run failed:\n{proc.stderr[-3000:]}")
+        if args.profile:
+            print(f"--- {variant} ---\n{proc.stderr[-12000:]}", file=sys.stderr)
         run = json.loads(proc.stdout[proc.stdout.index("{"):])
         out["device"] = run["device"]
         out[variant] = run["results"]["grpo"]

@@ -104,6 +104,9 @@ class TrainerConfig:
     # Recompute each decoder block's activations in backward (policy and critic): less memory
     # for long sequences and big models, about a third more compute.
     gradient_checkpointing: bool = False
+    # torch.compile each decoder block (policy and critic): fuses the elementwise work between
+    # the matrix products; for GPUs (measured in docs/measured.md). The first steps compile.
+    compile: bool = False
     # Master weights, gradients and optimizer state of the policy and the critic. float32 keeps
     # small updates (lr 1e-6 on weights ~1e-2) that bfloat16's 8-bit mantissa would round away.
     master_dtype: str = "float32"  # float32 | bfloat16

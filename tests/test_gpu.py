@@ -100,3 +100,45 @@ def test_tp2_engine_weight_parity_over_nccl(tmp_path, tiny_model_dir):
     r = json.loads(out.read_text())
     assert r["greedy_match"] and r["max_abs_dlogprob"] <= 1e-3, r
     assert r["qkv_rows"] == 128 and r["bytes_resharded"] < 0.6 * r["bytes_full"], r
+
+
+@pytest.mark.skipif(gpus() < 1, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled_head"])
+def test_packed_logprobs_on_cuda_match_padded(compile):
+    """A packed micro-batch on CUDA (torch's varlen flash attention, the chunked head, and
+    with trainer.compile its compiled softmax passes) gives the padded batch's logprobs and
+    gradients (bfloat16 compute: loose tolerances)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from llamarl.trainer import linear_logprobs
+    from llamarl.trainer.policy import TokenBatch, token_logprobs
+    from llamarl.trainer.varlen_attention import implementation
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=5000, hidden_size=128, intermediate_size=256,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=512)
+    model = Qwen2ForCausalLM._from_config(cfg, attn_implementation=implementation("sdpa"),
+                                          dtype=torch.bfloat16).cuda()
+    model.config.use_cache = False
+    B, T = 4, 300
+    ids = torch.randint(0, 5000, (B, T))
+    attn = torch.ones(B, T, dtype=torch.long)
+    for i, n in enumerate((300, 120, 37, 211)):
+        attn[i, n:] = 0
+    batch = TokenBatch(ids, attn, ids[:, 1:].clone(), attn[:, 1:].float(), torch.zeros(B, T - 1))
+    linear_logprobs.use_compiled(compile)
+    try:
+        outs = []
+        for mb in (batch, batch.pack()):
+            model.zero_grad()
+            lp, _ = token_logprobs(model, mb.to(torch.device("cuda")), 1.0, chunk_mib=0.5)
+            (lp * mb.mask.cuda()).sum().backward()
+            outs.append((lp.detach() * mb.mask.cuda(),
+                         [p.grad.float().clone() for p in model.parameters()]))
+    finally:
+        linear_logprobs.use_compiled(False)
+    (a, ga), (b, gb) = outs
+    assert (a - b).abs().max() < 0.1, (a - b).abs().max()
+    for x, y in zip(ga, gb):
+        assert torch.allclose(x, y, rtol=0.1, atol=0.05 * float(x.abs().max()) + 1e-3)

@@ -59,3 +59,61 @@ def test_a_head_with_soft_capping_chunks_only_the_softmax_bit_for_bit():
     lp1, ent1, g1 = _run(model, batch, True, 0.4)
     assert torch.equal(lp0, lp1) and torch.equal(ent0, ent1)
     assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_logprobs_backward_equals_autograd_of_the_whole_softmax(entropy_grad, bias):
+    """The hand-written backward of the chunked head (rows that do not divide N, a bias, a
+    temperature) against autograd through the whole [N, V] log-softmax."""
+    from llamarl.trainer.linear_logprobs import linear_logprobs
+
+    torch.manual_seed(1)
+    N, H, V, tau = 37, 16, 500, 0.7
+    h = torch.randn(N, H, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(V, H, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(V, dtype=torch.float64, requires_grad=True) if bias else None
+    y = torch.randint(0, V, (N,))
+    g_lp, g_ent = torch.randn(N, dtype=torch.float64), torch.randn(N, dtype=torch.float64)
+
+    def grads(lp, ent):
+        loss = (lp * g_lp).sum() + ((ent * g_ent).sum() if entropy_grad else 0.0)
+        params = [h, w] + ([b] if bias else [])
+        return torch.autograd.grad(loss, params)
+
+    logp_all = torch.log_softmax(torch.nn.functional.linear(h, w, b).float() / tau, -1)
+    lp0 = logp_all.gather(-1, y[:, None]).squeeze(-1)
+    ent0 = -(logp_all.exp() * logp_all).sum(-1)
+    ref = grads(lp0.double(), ent0.double())
+    lp1, ent1 = linear_logprobs(h, w, b, y, tau, rows=8, entropy_grad=entropy_grad)
+    assert ent1.requires_grad == entropy_grad
+    assert (lp0 - lp1).abs().max() <= 1e-5 and (ent0 - ent1).abs().max() <= 1e-5
+    for a, c in zip(ref, grads(lp1.double(), ent1.double())):
+        assert torch.allclose(a.float(), c.float(), rtol=1e-4, atol=1e-5), (a - c).abs().max()
+
+
+def test_compiled_softmax_passes_equal_the_eager_ones():
+    """trainer.compile compiles the head's two elementwise passes (linear_logprobs.use_compiled):
+    same values and gradients, entropy gradient included."""
+    from llamarl.trainer import linear_logprobs as head
+
+    torch.manual_seed(0)
+    h = torch.randn(300, 32, requires_grad=True)
+    w = torch.randn(2000, 32, requires_grad=True)
+    y = torch.randint(0, 2000, (300,))
+
+    def run():
+        lp, ent = head.linear_logprobs(h, w, None, y, 0.8, 64, entropy_grad=True)
+        (lp.sum() + 0.3 * ent.sum()).backward()
+        out = (lp.detach(), ent.detach(), h.grad.clone(), w.grad.clone())
+        h.grad = w.grad = None
+        return out
+
+    eager = run()
+    head.use_compiled(True)
+    try:
+        compiled = run()
+    finally:
+        head.use_compiled(False)
+    for a, b in zip(eager, compiled):
+        assert torch.allclose(a, b, rtol=1e-5, atol=2e-5), (a - b).abs().max()

@@ -20,15 +20,23 @@ def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype,
                reduce_dtype: torch.dtype = torch.float32,
-               gradient_checkpointing: bool = False) -> torch.nn.Module:
+               gradient_checkpointing: bool = False, compile: bool = False) -> torch.nn.Module:
     """Shard `model` in place over `mesh` (1-D, the trainer data-parallel ranks); with
     `gradient_checkpointing`, each block's activations are recomputed in backward (HF's
-    non-reentrant checkpointing, which composes with FSDP2's hooks)."""
+    non-reentrant checkpointing, which composes with FSDP2's hooks); with `compile`, each
+    block's forward is compiled by torch.compile before it is sharded (torchtitan's order:
+    FSDP2's hooks stay outside the compiled region), which fuses the norms', rotary
+    embedding's and MLP's elementwise work; sequence lengths vary, so shapes are dynamic."""
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     blocks = decoder_blocks(model)
+    if compile:
+        from llamarl.trainer import linear_logprobs
+        linear_logprobs.use_compiled(True)  # the LM head's softmax passes too
     for i, block in enumerate(blocks):
+        if compile:
+            block.compile(dynamic=True)
         # The last block's parameters are needed right away by the root's backward: keep them.
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp)

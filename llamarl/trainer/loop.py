@@ -146,7 +146,8 @@ def run_trainer(rt: Runtime) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     check_tokenizer(tokenizer, model_path)
     apply_fsdp(model, mesh, param_dtype=DTYPES[cfg.model.dtype],
-               gradient_checkpointing=cfg.trainer.gradient_checkpointing)
+               gradient_checkpointing=cfg.trainer.gradient_checkpointing,
+               compile=cfg.trainer.compile)
     opt_steps = cfg.run.steps * cfg.algorithm.epochs * cfg.algorithm.mini_batches
     trainer = PolicyTrainer(model, cfg.trainer, opt_steps, T, rt.device,
                             cfg.generator.temperature, cfg.algorithm.entropy_coef > 0)

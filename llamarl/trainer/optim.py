@@ -10,9 +10,13 @@ from llamarl.config import TrainerConfig
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainerConfig, total_steps: int):
-    """AdamW over `model` and its LambdaLR schedule."""
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
-                            weight_decay=cfg.weight_decay, foreach=True)
+    """AdamW over `model` and its LambdaLR schedule: the fused kernel on a GPU (one launch for
+    all parameters), the multi-tensor one elsewhere."""
+    params = list(model.parameters())
+    cuda = bool(params) and all(p.device.type == "cuda" for p in params)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas),
+                            weight_decay=cfg.weight_decay,
+                            **({"fused": True} if cuda else {"foreach": True}))
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total_steps))
 
 

@@ -29,16 +29,20 @@ class PackedRows:
     sequence, which is how the model keeps attention inside each one). Packed position
     src[k] scores the same token as padded position (dst_row[k], dst_col[k]), [S] each; the
     last position of each sequence (it would score the next sequence's first token) has
-    none."""
+    none. bounds: [S + 1] int64 on the CPU, the start of each sequence and L (cumulative
+    lengths): the attention reads them without waiting for the device (reading the
+    boundaries off the position ids on a GPU stalled every layer)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     src: torch.Tensor
     dst_row: torch.Tensor
     dst_col: torch.Tensor
+    bounds: torch.Tensor
 
     def to(self, device: torch.device) -> PackedRows:
-        return PackedRows(*(getattr(self, f.name).to(device) for f in fields(self)))
+        return PackedRows(*(getattr(self, f.name).to(device) for f in fields(self)
+                            if f.name != "bounds"), bounds=self.bounds)
 
 
 @dataclass
@@ -98,7 +102,8 @@ class TokenBatch:
         scored = pos > 0  # token c of a sequence is scored at c - 1; its first never is
         packed = PackedRows(self.input_ids[keep][None], pos[None],
                             torch.nonzero(scored).squeeze(1) - 1,
-                            segment_ids(lens, total)[scored], pos[scored] - 1)
+                            segment_ids(lens, total)[scored], pos[scored] - 1,
+                            torch.cat([lens.new_zeros(1), lens.cumsum(0)]).long().cpu())
         return replace(self, packed=packed)
 
     def padding_share(self) -> float:
@@ -114,11 +119,12 @@ def model_inputs(batch: TokenBatch) -> dict[str, torch.Tensor]:
     keeps attention inside each sequence: the sequence boundaries are where the position ids
     restart; flash_attention_2 reads them as varlen boundaries, sdpa/eager/flex get a
     block-diagonal causal mask; a KV cache would hide the boundaries from it, hence
-    use_cache=False)."""
+    use_cache=False). `llamarl_bounds` reaches the attention (varlen_attention) through
+    Hugging Face's attention keyword arguments: the sequence boundaries, on the CPU."""
     if batch.packed is None:
         return {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
     return {"input_ids": batch.packed.input_ids, "position_ids": batch.packed.position_ids,
-            "use_cache": False}
+            "use_cache": False, "llamarl_bounds": batch.packed.bounds}
 
 
 def to_padded(batch: TokenBatch, x: torch.Tensor) -> torch.Tensor:
@@ -176,7 +182,11 @@ def collate(seqs: list[tuple[list[int], list[int], list[float]]], pad_id: int) -
 # [B, T] micro-batch, their float32 log-softmax, its exp and their product would each be
 # [B, T, V]; chunked (and recomputed chunk by chunk in backward), only one chunk's exist at a
 # time. Micro-batches smaller than one chunk (the tiny model's) take the one-chunk path.
+# On a GPU bigger chunks: each chunk is a few kernel launches and a rank-n update of the
+# head's gradient, and an H100 update of the 0.5B model took 2.6 s with 64 MiB chunks (110
+# positions of a 152k vocabulary) against 2.1 s with 1 GiB ones (docs/measured.md).
 LOGPROB_CHUNK_MIB = 64.0
+LOGPROB_CHUNK_MIB_CUDA = 1024.0
 
 
 def _logprobs_of_chunk(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
@@ -221,16 +231,17 @@ def _logprobs_through_head(model: torch.nn.Module, head: torch.nn.Linear, inputs
                            targets: torch.Tensor, span: int, temperature: float,
                            entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One model forward whose LM head, for this call, turns the final hidden states into
-    (logprobs, entropy) span by span instead of returning [B, T, V] logits: the head runs
-    inside the model's forward, where FSDP2 has its (tied) weight unsharded and its gradient
-    is reduced as usual, and no [B, T, V] tensor is ever whole, forward or backward."""
+    (logprobs, entropy) `span` positions of every row at a time (linear_logprobs: a
+    hand-written backward that recomputes each chunk's logits) instead of returning [B, T, V]
+    logits: the head runs inside the model's forward, where FSDP2 has its (tied) weight
+    unsharded and its gradient is reduced as usual, and no [B, T, V] tensor is ever whole,
+    forward or backward."""
+    from llamarl.trainer.linear_logprobs import linear_logprobs
 
     def head_forward(hidden: torch.Tensor) -> torch.Tensor:  # [B, T, H] -> [B, T-1, 2]
         w, b = head.weight, head.bias  # read now: FSDP2's unsharded parameters
-        lp, ent = _over_spans(
-            lambda h, t: _logprobs_of_chunk(torch.nn.functional.linear(h, w, b), t,
-                                            temperature, entropy_grad),
-            hidden[:, :-1], targets, span)
+        lp, ent = linear_logprobs(hidden[:, :-1], w, b, targets, temperature,
+                                  span * targets.shape[0], entropy_grad)
         return torch.stack([lp, ent], -1)
 
     before = head.__dict__.get("forward")
@@ -262,9 +273,11 @@ def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float
     their gradient) exists whole; values and gradients agree with the one-chunk computation
     to float rounding (|d| <= 1e-5, tested). A model whose logits are not its head's output
     (soft-capped, scaled) keeps whole logits and chunks only the softmax, bit for bit. 0 = one
-    chunk; None = LOGPROB_CHUNK_MIB.
+    chunk; None = LOGPROB_CHUNK_MIB (LOGPROB_CHUNK_MIB_CUDA on a GPU).
     """
-    chunk_mib = LOGPROB_CHUNK_MIB if chunk_mib is None else chunk_mib
+    if chunk_mib is None:
+        cuda = batch.input_ids.is_cuda
+        chunk_mib = LOGPROB_CHUNK_MIB_CUDA if cuda else LOGPROB_CHUNK_MIB
     inputs = model_inputs(batch)
     targets = batch.targets if batch.packed is None else batch.packed.input_ids[:, 1:]
     B, T = targets.shape

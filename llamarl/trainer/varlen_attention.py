@@ -7,7 +7,10 @@ attention inside each sequence with an L x L block-diagonal mask, computing the 
 L = 2048 on the 24M bench model that made the packed update slower than the padded one.
 Here each sequence [a, b) of the row attends causally to itself only, one
 `scaled_dot_product_attention(is_causal=True)` per sequence, so the work is the sum of the
-sequences' own squares, as flash-attn's varlen kernels do on a GPU.
+sequences' own squares. On a GPU (torch >= 2.9) the whole row goes to one call of torch's
+flash-attention varlen kernel instead (`torch.nn.attention.varlen.varlen_attn`).
+The boundaries come from TokenBatch.pack as a CPU tensor (`llamarl_bounds`), so neither path
+waits on the device; without them they are read off the position ids.
 
 Registered with Hugging Face as `llamarl_sdpa`; `load_policy`/`load_critic` use it for
 `model.attn_implementation: sdpa`. Anything that is not a packed row (a padded batch with its
@@ -28,20 +31,56 @@ def _sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, scalin
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     pos = kwargs.get("position_ids")
-    if attention_mask is not None or pos is None or query.shape[0] != 1:
+    given = kwargs.pop("llamarl_bounds", None)  # [S + 1] on the CPU, from TokenBatch.pack
+    if attention_mask is not None or (pos is None and given is None) or query.shape[0] != 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
-    starts = torch.nonzero(pos[0] == 0).flatten().tolist()
-    if len(starts) <= 1 or starts[0] != 0:  # one sequence (or not our packing): plain causal
+    if given is not None:
+        bounds = given.tolist()
+    else:  # position ids restart at each sequence (reads the device: a sync per layer)
+        bounds = torch.nonzero(pos[0] == 0).flatten().tolist() + [query.shape[2]]
+    if len(bounds) <= 2 or bounds[0] != 0:  # one sequence (or not our packing): plain causal
         return sdpa_attention_forward(module, query, key, value, None, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    bounds = starts + [query.shape[2]]
+    if query.is_cuda and dropout == 0.0 and _varlen_kernel() is not None:
+        return _varlen_cuda(query, key, value, bounds, scaling), None
     gqa = query.shape[1] != key.shape[1]  # query [1, H, L, D], key/value [1, H_kv, L, D]
     p = dropout if module.training else 0.0
     out = torch.cat([F.scaled_dot_product_attention(
         query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=p, is_causal=True,
         scale=scaling, enable_gqa=gqa) for a, b in zip(bounds, bounds[1:])], dim=2)
     return out.transpose(1, 2).contiguous(), None  # [1, L, H, D], as HF's sdpa returns
+
+
+def _varlen_kernel():
+    """torch.nn.attention.varlen.varlen_attn (flash attention over cumulative sequence
+    lengths, CUDA, torch >= 2.9) or None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def _varlen_cuda(query, key, value, bounds: list[int], scaling) -> torch.Tensor:
+    """All sequences of the packed row in one flash-attention call: query [1, H, L, D],
+    key/value [1, H_kv, L, D] -> [1, L, H, D]. Grouped KV heads are repeated (the kernel's
+    own GQA flag is not in every torch version); causal is window (-1, 0) in newer torch,
+    is_causal in older."""
+    import inspect
+
+    varlen_attn = _varlen_kernel()
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [L, H, D]
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    cu = torch.tensor(bounds, dtype=torch.int32).to(query.device, non_blocking=True)
+    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    out = varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, longest, longest,
+                      scale=scaling, **causal)
+    return out[None]
 
 
 def _mask(*args, attention_mask=None, **kwargs):

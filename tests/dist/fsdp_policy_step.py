@@ -40,7 +40,8 @@ def full(model):
 if __name__ == "__main__":
     rank, world, mesh, device = trainer_world()
     if os.environ.get("CHUNK_MIB"):
-        policy_mod.LOGPROB_CHUNK_MIB = float(os.environ["CHUNK_MIB"])
+        chunk = float(os.environ["CHUNK_MIB"])
+        policy_mod.LOGPROB_CHUNK_MIB = policy_mod.LOGPROB_CHUNK_MIB_CUDA = chunk
     cfg = load_config(None, CFG + os.environ.get("EXTRA", "").split())
     model, tok = build_model(seed=0)
     model.to(device)
