@@ -2,6 +2,7 @@
 sync (vLLM's load_weights, recorded) and after the second (the recorded copies, replayed)."""
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import DIST, torchrun
@@ -12,9 +13,11 @@ def test_weight_broadcast_parity_with_fsdp2_trainers(tmp_path, tiny_model_dir, t
     """tp = 2: one engine of two ranks (generator/tp.py), each loading half of every layer;
     from the second sync on each receives only the half it loads (resharded)."""
     out = tmp_path / "parity.json"
+    segments = set(Path("/dev/shm").glob("llamarl_*"))
     proc = torchrun(2 + tp, [str(DIST / "weight_sync_parity.py")], timeout=600, OUT=out,
                     MODEL_DIR=tiny_model_dir, RUNS=tmp_path / "runs", TP=tp)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert set(Path("/dev/shm").glob("llamarl_*")) <= segments, "vLLM's tp segments are left"
     r = json.loads(out.read_text())
     assert r["buckets"] >= 2, "both trainer ranks must send their shards"
     assert r["greedy_match"], r

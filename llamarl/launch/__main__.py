@@ -119,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         rt.watchdog.mark_done()
         if rt.hosts_store:
             rt.wait_all_done()
+            # every rank is done: what a lost engine left on this host goes too (vLLM's tp
+            # segments of an engine whose ranks were all killed; other hosts keep theirs)
+            rt.cleanup_shared_memory()
     except BaseException as e:  # noqa: BLE001 - report every failure to the peers, then exit
         if not isinstance(e, KeyboardInterrupt):
             rt.watchdog.leave_if_mate_lost()  # this rank's engine is lost, the job goes on

@@ -155,6 +155,8 @@ if __name__ == "__main__":
     cfg.generator.tp = tp
     rt = setup(cfg, compute_layout(env.world_size, env.local_world_size, 2, 1, tp), env)
     (trainer if rt.role.role == "trainer" else generator)(rt, model_dir)
+    if rt.role.role != "trainer":  # vLLM's tp segments (cpu_fixes), as the launcher's end does
+        rt.cleanup_shared_memory()
     rt.watchdog.mark_done()
     rt.watchdog.stop()
     os._exit(0)
