@@ -111,6 +111,16 @@ def _state(model, optimizer, critic) -> dict:
     return state
 
 
+@contextmanager
+def _kernel_kept(optimizer):
+    """Loading an optimizer's state also loads the saving run's `fused`/`foreach` flags (a
+    checkpoint written on a CPU would turn a GPU run's fused AdamW off): keep this run's."""
+    kept = [{k: g.get(k) for k in ("fused", "foreach")} for g in optimizer.param_groups]
+    yield
+    for group, flags in zip(optimizer.param_groups, kept):
+        group.update(flags)
+
+
 def load(path: Path, model, optimizer, scheduler, critic=None) -> dict:
     """Collective over the trainer ranks: restore model, optimizer, schedule and RNG (and the
     critic's model, optimizer and schedule)."""
@@ -121,12 +131,14 @@ def load(path: Path, model, optimizer, scheduler, critic=None) -> dict:
     state = _state(model, optimizer, critic)
     with _one_line_errors("loading checkpoint", path):
         dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+    with _kernel_kept(optimizer):
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
     scheduler.load_state_dict(meta["scheduler"])
     if critic is not None:
-        set_state_dict(critic.model, critic.opt, model_state_dict=state["critic"],
-                       optim_state_dict=state["critic_optim"])
+        with _kernel_kept(critic.opt):
+            set_state_dict(critic.model, critic.opt, model_state_dict=state["critic"],
+                           optim_state_dict=state["critic_optim"])
         critic.sched.load_state_dict(meta["critic_scheduler"])
     rng = Path(path) / f"rng_rank{dist.get_rank()}.pt"
     if rng.exists():

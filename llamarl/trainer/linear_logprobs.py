@@ -71,6 +71,8 @@ _forward_fn, _grad_fn = _chunk_forward, _chunk_grad
 
 def use_compiled(on: bool) -> None:
     global _forward_fn, _grad_fn
+    if on and _forward_fn is not _chunk_forward:
+        return  # compiled already (each model's apply_fsdp asks again)
     if on:
         _forward_fn = torch.compile(_chunk_forward, dynamic=True)
         _grad_fn = torch.compile(_chunk_grad, dynamic=True)
@@ -98,6 +100,7 @@ class LinearLogprobs(torch.autograd.Function):
         return logp, ent
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # (no double backward through it)
     def backward(ctx, g_logp, g_ent):
         h, w, b, y, lse, ent = ctx.saved_tensors
         tau, rows = ctx.tau, ctx.rows

@@ -29,8 +29,8 @@ class PackedRows:
     sequence, which is how the model keeps attention inside each one). Packed position
     src[k] scores the same token as padded position (dst_row[k], dst_col[k]), [S] each; the
     last position of each sequence (it would score the next sequence's first token) has
-    none. bounds: [S + 1] int64 on the CPU, the start of each sequence and L (cumulative
-    lengths): the attention reads them without waiting for the device (reading the
+    none. bounds: [N + 1] int64 on the CPU for the N sequences, the start of each and L
+    (cumulative lengths): the attention reads them without waiting for the device (reading the
     boundaries off the position ids on a GPU stalled every layer)."""
 
     input_ids: torch.Tensor

@@ -7,8 +7,9 @@ attention inside each sequence with an L x L block-diagonal mask, computing the 
 L = 2048 on the 24M bench model that made the packed update slower than the padded one.
 Here each sequence [a, b) of the row attends causally to itself only, one
 `scaled_dot_product_attention(is_causal=True)` per sequence, so the work is the sum of the
-sequences' own squares. On a GPU (torch >= 2.9) the whole row goes to one call of torch's
-flash-attention varlen kernel instead (`torch.nn.attention.varlen.varlen_attn`).
+sequences' own squares. On a GPU the whole row goes to one call of torch's flash-attention
+varlen kernel instead (`torch.nn.attention.varlen.varlen_attn`, where it takes a `scale`; for
+fp16/bf16 models: float32 keeps the per-sequence loop).
 The boundaries come from TokenBatch.pack as a CPU tensor (`llamarl_bounds`), so neither path
 waits on the device; without them they are read off the position ids.
 
@@ -35,49 +36,78 @@ def _sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, scalin
     if attention_mask is not None or (pos is None and given is None) or query.shape[0] != 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
+    out = _packed_attention(query, key, value, given, pos, scaling,
+                            dropout if module.training else 0.0)
+    if out is None:  # one sequence (or not our packing): plain causal
+        return sdpa_attention_forward(module, query, key, value, None, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    return out, None
+
+
+# Never compiled (trainer.compile): it reads the boundaries as Python ints, and traced, the
+# guards on their count recompiled the block for each new number of sequences in a row.
+@torch.compiler.disable
+def _packed_attention(query, key, value, given, pos, scaling, p):
+    """query [1, H, L, D], key/value [1, H_kv, L, D] of a packed row -> [1, L, H, D], or None
+    when the row holds one sequence."""
     if given is not None:
         bounds = given.tolist()
     else:  # position ids restart at each sequence (reads the device: a sync per layer)
         bounds = torch.nonzero(pos[0] == 0).flatten().tolist() + [query.shape[2]]
-    if len(bounds) <= 2 or bounds[0] != 0:  # one sequence (or not our packing): plain causal
-        return sdpa_attention_forward(module, query, key, value, None, dropout=dropout,
-                                      scaling=scaling, **kwargs)
-    if query.is_cuda and dropout == 0.0 and _varlen_kernel() is not None:
-        return _varlen_cuda(query, key, value, bounds, scaling), None
-    gqa = query.shape[1] != key.shape[1]  # query [1, H, L, D], key/value [1, H_kv, L, D]
-    p = dropout if module.training else 0.0
+    if len(bounds) <= 2 or bounds[0] != 0:
+        return None
+    if p == 0.0 and _flash_varlen_fits(query):
+        return _varlen_cuda(query, key, value, bounds, scaling)
+    gqa = query.shape[1] != key.shape[1]
     out = torch.cat([F.scaled_dot_product_attention(
         query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=p, is_causal=True,
         scale=scaling, enable_gqa=gqa) for a, b in zip(bounds, bounds[1:])], dim=2)
-    return out.transpose(1, 2).contiguous(), None  # [1, L, H, D], as HF's sdpa returns
+    return out.transpose(1, 2).contiguous()  # [1, L, H, D], as HF's sdpa returns
+
+
+_VARLEN: list = []  # [(varlen_attn, its causal keyword arguments)] once looked up, or [None]
 
 
 def _varlen_kernel():
-    """torch.nn.attention.varlen.varlen_attn (flash attention over cumulative sequence
-    lengths, CUDA, torch >= 2.9) or None."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn
+    """(torch.nn.attention.varlen.varlen_attn, {causal keyword}) when this torch has it with a
+    `scale` argument (torch 2.9's has neither `scale` nor GQA), else None. Causal is
+    `window_size=(-1, 0)` in newer torch, `is_causal=True` in older."""
+    if not _VARLEN:
+        import inspect
+
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+            params = inspect.signature(varlen_attn).parameters
+        except (ImportError, ValueError, TypeError):
+            params = {}
+        if "scale" in params and ("window_size" in params or "is_causal" in params):
+            causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+            _VARLEN.append((varlen_attn, causal))
+        else:
+            _VARLEN.append(None)
+    return _VARLEN[0]
+
+
+def _flash_varlen_fits(query) -> bool:
+    """Flash attention's limits: CUDA, fp16/bf16, head_dim <= 256, compute capability >= 8
+    (a float32 model, the default model.dtype, takes the per-sequence loop)."""
+    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+            and query.shape[-1] <= 256
+            and torch.cuda.get_device_capability(query.device)[0] >= 8
+            and _varlen_kernel() is not None)
 
 
 def _varlen_cuda(query, key, value, bounds: list[int], scaling) -> torch.Tensor:
     """All sequences of the packed row in one flash-attention call: query [1, H, L, D],
     key/value [1, H_kv, L, D] -> [1, L, H, D]. Grouped KV heads are repeated (the kernel's
-    own GQA flag is not in every torch version); causal is window (-1, 0) in newer torch,
-    is_causal in older."""
-    import inspect
-
-    varlen_attn = _varlen_kernel()
+    own GQA flag is not in every torch version)."""
+    varlen_attn, causal = _varlen_kernel()
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [L, H, D]
     if k.shape[1] != q.shape[1]:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     cu = torch.tensor(bounds, dtype=torch.int32).to(query.device, non_blocking=True)
     longest = max(b - a for a, b in zip(bounds, bounds[1:]))
-    params = inspect.signature(varlen_attn).parameters
-    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
     out = varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, longest, longest,
                       scale=scaling, **causal)
     return out[None]
