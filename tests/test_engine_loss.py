@@ -57,14 +57,41 @@ def _wait_for_rows(tmp_path: Path, procs, n: int) -> Path:
     raise AssertionError(f"the run never reached step {n}")
 
 
-def _lose_and_replace(procs, tmp_path: Path, cache_dir, lose) -> tuple[Path, list[str]]:
+def _stop_a_replacement_by_hand(run: Path, cache_dir, tmp_path: Path) -> None:
+    """Start `--join RUN_DIR` and press Ctrl-C once it says it may be: it leaves alone, and
+    the job goes on as it was (still one engine short)."""
+    log = tmp_path / "stopped_replacement.log"
+    with open(log, "w") as out:
+        first = subprocess.Popen([sys.executable, "-m", "llamarl.launch", "--join", str(run)],
+                                 cwd=ROOT, env=child_env(LLAMARL_CACHE=cache_dir), stdout=out,
+                                 stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while "stops this replacement alone" not in log.read_text():
+            assert first.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        first.send_signal(signal.SIGINT)
+        first.wait(timeout=30)
+    finally:
+        first.kill()
+    text = log.read_text()
+    assert first.returncode == 0, text[-3000:]
+    assert ("rank 2 (generator 1): stopped (Ctrl-C): this replacement leaves the job, which "
+            "goes on without its engine") in text, text[-3000:]
+
+
+def _lose_and_replace(procs, tmp_path: Path, cache_dir, lose,
+                      stop_one: bool = False) -> tuple[Path, list[str]]:
     """At step KILL_AT `lose(run)` the last rank (an engine), then start a replacement with
-    --join; returns the run directory and the outputs of the other ranks and the replacement,
-    after checking that they all finished well."""
+    --join (with `stop_one`, first one that is stopped by Ctrl-C); returns the run directory
+    and the outputs of the other ranks and the replacement, after checking that they all
+    finished well."""
     joiner = None
     try:
         run = _wait_for_rows(tmp_path, procs, KILL_AT)
         lose(run)
+        if stop_one:
+            _stop_a_replacement_by_hand(run, cache_dir, tmp_path)
         joiner = subprocess.Popen([sys.executable, "-m", "llamarl.launch", "--join", str(run)],
                                   cwd=ROOT, env=child_env(LLAMARL_CACHE=cache_dir),
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -115,7 +142,8 @@ def test_a_killed_engine_is_dropped_and_a_replacement_takes_its_slot_back(tmp_pa
     slots in one pool, each shipped in its own slot's batches. Then start `python -m
     llamarl.launch --join RUN_DIR` as the runbook says: it gets the current weights and takes
     slot 1 back. The buckets engine 1 never read are swept, and the replacement reads from the
-    sync chosen for it. (Batch mode over the torch transport: the torchrun test below.)"""
+    sync chosen for it. A first replacement, stopped by Ctrl-C, leaves alone. (Batch mode
+    over the torch transport: the torchrun test below.)"""
     overrides = [*CONTINUOUS, "sync.transport=filesystem"]
     procs = _launch(tmp_path, cache_dir, _free_port(), overrides)
 
@@ -124,8 +152,9 @@ def test_a_killed_engine_is_dropped_and_a_replacement_takes_its_slot_back(tmp_pa
         procs[2].wait()
         time.sleep(3)  # the watchdogs declare the loss within a second or two
 
-    run, outs = _lose_and_replace(procs, tmp_path, cache_dir, lose)
+    run, outs = _lose_and_replace(procs, tmp_path, cache_dir, lose, stop_one=True)
     trainer, engine0, replacement = outs
+    assert "rank 2 (generator 1) left the job (stopped (Ctrl-C)): the replacement" in trainer
     _check_loss_and_replacement(run, "\n".join(outs), engine0, trainer, replacement,
                                 on_policy=False)
     left = list((run / "weight_sync").rglob("*.safetensors"))

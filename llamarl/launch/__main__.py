@@ -48,6 +48,25 @@ def replacement_not_back(rt) -> bool:
     return not rt.back
 
 
+def leave_when_stopped(rt) -> None:
+    """A replacement started by hand (`--join`, not by a supervisor under torchrun) that is
+    stopped (Ctrl-C, SIGTERM) leaves the job, which goes on without its engine as after a
+    loss, instead of failing it."""
+    import signal
+
+    def stop(signum, frame) -> None:
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        rt.watchdog.leave(f"stopped ({name})",
+                          "this replacement leaves the job, which goes on without its engine")
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, stop)
+    if rt.role.tp_rank == 0:
+        print(f"llamarl: {rt.watchdog.role_name(rt.env.rank)}: Ctrl-C or SIGTERM stops this "
+              "replacement alone (the job goes on without its engine)", file=sys.stderr,
+              flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -106,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(1)  # a given-up store handshake may still hold a thread
     if rt.joining:  # until it is back (generator/loop.py: rejoin), a lost store ends it well
         rt.watchdog.replacement_not_back = lambda: replacement_not_back(rt)
+        from llamarl.launch.join import ENGINE_ENV
+        if not os.environ.get(ENGINE_ENV):  # started by hand, not by a supervisor
+            leave_when_stopped(rt)
     if tp_ranks:  # a replacement's other tp ranks: watched from their start
         rt.watchdog.children = list(zip(layout.engine_global_ranks(rt.role.index)[1:],
                                         tp_ranks))

@@ -68,6 +68,7 @@ class Watchdog:
         # a rank that leaves a job going on must not touch what the others use
         self.local_cleanups: list[Callable[[], None]] = []
         self._leaving = threading.Lock()
+        self._leaving_thread: threading.Thread | None = None
         self._peers_proc: dict[int, int] = {}  # same-host peers: rank -> pid (-1: elsewhere)
         # a replacement's tp rank 0: the processes of its other tp ranks (launch/join.py). One
         # that ends badly may do so before it could be watched as a peer (its setup)
@@ -153,12 +154,16 @@ class Watchdog:
         """This rank's engine is lost (`cause`: a mate died) and the job goes on without it:
         say so (`line`) and end the process well. It only marks `left/<rank>` (for the peers'
         line): the peers find this process gone and excuse the engine once all its ranks are."""
+        if threading.current_thread() is self._leaving_thread:
+            return  # (a signal handler, while this thread was leaving: it goes on leaving)
         with self._leaving:
+            self._leaving_thread = threading.current_thread()
             print(f"llamarl: {self.role_name(self.rank)}: {cause}: {line}", file=sys.stderr,
                   flush=True)
             if mark:  # (the peers' line names the rank that died, not this one). At most 5 s:
                 # with the store gone a new connection would retry for sync.timeout_s
-                marking = threading.Thread(target=self._mark_left, daemon=True)
+                marking = threading.Thread(target=self._mark_left, args=(cause,),
+                                           daemon=True)
                 marking.start()
                 marking.join(5.0)
             for fn in self.local_cleanups:
@@ -208,9 +213,9 @@ class Watchdog:
                 return r
         return None
 
-    def _mark_left(self) -> None:
+    def _mark_left(self, cause: str) -> None:
         try:
-            self.make_store().set(f"left/{self.rank}", "1")
+            self.make_store().set(f"left/{self.rank}", cause)
         except Exception:  # noqa: BLE001 - the store is gone: nobody reads the mark
             pass
 
@@ -329,10 +334,14 @@ class Watchdog:
             return
         cause = self._first_cause.pop(engine[0], cause)  # (the rank found dead first)
         left = [r for r in engine if store.check([f"left/{r}"])]
-        if left:  # name the ranks that died, not those that left with them
-            cause = (" and ".join(self.role_name(r) for r in engine if r not in left)
-                     + " died, and " + " and ".join(self.role_name(r) for r in left)
-                     + " left with it")
+        died = [r for r in engine if r not in left]
+        if left and not died:  # all left (a replacement stopped by hand): say why
+            why = store.get(f"left/{left[0]}").decode()
+            cause = (" and ".join(self.role_name(r) for r in left) + " left the job"
+                     + (f" ({why})" if why != "1" else ""))
+        elif left:  # name the ranks that died, not those that left with them
+            cause = (" and ".join(self.role_name(r) for r in died) + " died, and "
+                     + " and ".join(self.role_name(r) for r in left) + " left with it")
         if self.excuse(store, rank, cause):
             self.pending -= set(engine)
             self.excused.update(engine)
