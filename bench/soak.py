@@ -137,7 +137,8 @@ def main() -> None:
               "leftover_shm": sorted(str(x) for x in
                                      Path("/dev/shm").glob(f"llamarl_{run_id_of(run)}*"))}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"\nfrom step {first['step']} to step {last['step']} ({result['wall_s']:.0f} s):")
+    print(f"\nfrom step {first['step']} to step {last['step']} (the whole run took "
+          f"{result['wall_s']:.0f} s):")
     for k, (a, b, g) in report.items():
         print(f"  {k:40s} {a:12.1f} -> {b:12.1f}  "
               + (f"{100 * g:+6.1f}%" if g is not None else "(in flight)"))
