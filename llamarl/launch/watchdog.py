@@ -333,12 +333,12 @@ class Watchdog:
             self._first_cause.setdefault(engine[0], cause)
             return
         cause = self._first_cause.pop(engine[0], cause)  # (the rank found dead first)
-        left = [r for r in engine if store.check([f"left/{r}"])]
+        marks = {r: peek(store, f"left/{r}") for r in engine}  # (a replacement deletes its
+        left = [r for r in engine if marks[r] is not None]  # own: never a waiting get)
         died = [r for r in engine if r not in left]
         if left and not died:  # all left (a replacement stopped by hand): say why
-            why = store.get(f"left/{left[0]}").decode()
-            cause = (" and ".join(self.role_name(r) for r in left) + " left the job"
-                     + (f" ({why})" if why != "1" else ""))
+            cause = (" and ".join(self.role_name(r) for r in left) + " left the job ("
+                     + marks[left[0]].decode() + ")")
         elif left:  # name the ranks that died, not those that left with them
             cause = (" and ".join(self.role_name(r) for r in died) + " died, and "
                      + " and ".join(self.role_name(r) for r in left) + " left with it")
