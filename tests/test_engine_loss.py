@@ -154,7 +154,8 @@ def test_a_killed_engine_is_dropped_and_a_replacement_takes_its_slot_back(tmp_pa
 
     run, outs = _lose_and_replace(procs, tmp_path, cache_dir, lose, stop_one=True)
     trainer, engine0, replacement = outs
-    assert "rank 2 (generator 1) left the job (stopped (Ctrl-C)): the replacement" in trainer
+    # (said by whichever peer's watchdog excuses the engine: the trainer's or engine 0's)
+    assert "rank 2 (generator 1) left the job (stopped (Ctrl-C)): the replacement" in "".join(outs)
     _check_loss_and_replacement(run, "\n".join(outs), engine0, trainer, replacement,
                                 on_policy=False)
     left = list((run / "weight_sync").rglob("*.safetensors"))
