@@ -57,14 +57,19 @@ def _wait_for_rows(tmp_path: Path, procs, n: int) -> Path:
     raise AssertionError(f"the run never reached step {n}")
 
 
+def _start_replacement(run: Path, cache_dir, stdout) -> subprocess.Popen:
+    """`python -m llamarl.launch --join RUN_DIR`, as the runbook says."""
+    return subprocess.Popen([sys.executable, "-m", "llamarl.launch", "--join", str(run)],
+                            cwd=ROOT, env=child_env(LLAMARL_CACHE=cache_dir), stdout=stdout,
+                            stderr=subprocess.STDOUT, text=True)
+
+
 def _stop_a_replacement_by_hand(run: Path, cache_dir, tmp_path: Path) -> None:
     """Start `--join RUN_DIR` and press Ctrl-C once it says it may be: it leaves alone, and
     the job goes on as it was (still one engine short)."""
     log = tmp_path / "stopped_replacement.log"
     with open(log, "w") as out:
-        first = subprocess.Popen([sys.executable, "-m", "llamarl.launch", "--join", str(run)],
-                                 cwd=ROOT, env=child_env(LLAMARL_CACHE=cache_dir), stdout=out,
-                                 stderr=subprocess.STDOUT)
+        first = _start_replacement(run, cache_dir, out)
     try:
         deadline = time.monotonic() + 180
         while "stops this replacement alone" not in log.read_text():
@@ -92,9 +97,7 @@ def _lose_and_replace(procs, tmp_path: Path, cache_dir, lose,
         lose(run)
         if stop_one:
             _stop_a_replacement_by_hand(run, cache_dir, tmp_path)
-        joiner = subprocess.Popen([sys.executable, "-m", "llamarl.launch", "--join", str(run)],
-                                  cwd=ROOT, env=child_env(LLAMARL_CACHE=cache_dir),
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        joiner = _start_replacement(run, cache_dir, subprocess.PIPE)
         finishing = (*procs[:-1], joiner)
         outs = [p.communicate(timeout=600)[0] for p in finishing]
     finally:
