@@ -216,20 +216,25 @@ def test_sweep_run_removes_only_that_run():
     sweep_run(b)
 
 
-def _dist_end(port: int, side: str, n: int, q):
-    """One end of a DistChannel over a real gloo pair (the runtime reduced to what it uses)."""
+def _dist_runtime(port: int):
+    """The runtime of a DistChannel end, reduced to what it uses."""
     from types import SimpleNamespace
 
-    from llamarl.buffer.dist_channel import DistChannel
     from llamarl.parallel.groups import GroupSpec
 
-    store = _store(port, False)
-    rt = SimpleNamespace(
-        store=store, device=torch.device("cpu"),
+    return SimpleNamespace(
+        store=_store(port, False), device=torch.device("cpu"),
         watchdog=SimpleNamespace(check=lambda: None),
+        cfg=SimpleNamespace(sync=SimpleNamespace(dead_peer_s=5.0)),
         group_spec=lambda name, rank, size: GroupSpec("127.0.0.1", port, f"t/{name}", rank,
                                                       size, "gloo", 60.0))
-    ch = DistChannel(rt, "e0t0", side, capacity=2)
+
+
+def _dist_end(port: int, side: str, n: int, q):
+    """One end of a DistChannel over a real gloo pair."""
+    from llamarl.buffer.dist_channel import DistChannel
+
+    ch = DistChannel(_dist_runtime(port), "e0t0", side, capacity=2)
     if side == "producer":
         for i in range(n):
             assert ch.put(make_batch(3, 2, seed=10 + i, version=i))
@@ -260,3 +265,73 @@ def test_dist_channel_moves_batches_over_gloo_between_processes():
     finally:
         for p in procs:
             p.kill()
+
+
+def _lost_producer(port: int, q):
+    """Sends batch 0, then publishes batch 1's descriptor without its payload and dies, as a
+    producer killed between the two."""
+    import os
+    import queue
+
+    from llamarl.buffer.dist_channel import DistChannel
+
+    ch = DistChannel(_dist_runtime(port), "e0t0", "producer", capacity=2)
+    assert ch.put(make_batch(3, 2, seed=10, version=0))
+    q.get(timeout=120)  # the consumer has batch 0
+    ch._outbox = queue.Queue()  # (its send thread waits on the old queue: 1 is never sent)
+    assert ch.put(make_batch(3, 2, seed=11, version=1))
+    os._exit(0)
+
+
+def _taking_producer(port: int):
+    """Takes the channel over (dist_channel.py) and makes batch 1 again."""
+    from llamarl.buffer.dist_channel import DistChannel
+
+    ch = DistChannel(_dist_runtime(port), "e0t0", "producer", capacity=2, takeover="r1")
+    deadline = time.monotonic() + 60
+    while ch.adopt() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert ch._seq == 1
+    assert ch.put(make_batch(3, 2, seed=11, version=1))
+    assert ch.close(drain_timeout_s=60) == 0
+
+
+def _following_consumer(port: int, lost, produced, q):
+    from llamarl.buffer.dist_channel import DistChannel
+
+    ch = DistChannel(_dist_runtime(port), "e0t0", "consumer", capacity=2, follow=True)
+    q.put(same(ch.get(), make_batch(3, 2, seed=10, version=0)))
+    produced.put("got 0")
+    lost.wait(120)  # batch 1's descriptor is queued and its producer dead: the receive
+    q.put(same(ch.get(), make_batch(3, 2, seed=11, version=1)))  # fails to post, then follows
+
+
+def test_dist_channel_follows_a_takeover_when_its_producer_died_before_the_receive():
+    """A producer that dies with a descriptor queued and its payload unsent: gloo refuses even
+    to post the receive (the peer closed its connection). The consumer must treat that as the
+    loss it is, and receive the batch again from the producer that takes the channel over."""
+    server = _store(0, True)
+    ctx = mp.get_context("spawn")
+    q, produced, lost = ctx.Queue(), ctx.Queue(), ctx.Event()
+    first = ctx.Process(target=_lost_producer, args=(server.port, produced))
+    consumer = ctx.Process(target=_following_consumer, args=(server.port, lost, produced, q))
+    taker = ctx.Process(target=_taking_producer, args=(server.port,))
+    procs = [first, consumer, taker]
+    for p in procs[:2]:
+        p.start()
+    try:
+        assert q.get(timeout=120) is True
+        first.join(60)
+        assert first.exitcode == 0
+        lost.set()
+        time.sleep(1.0)  # the consumer has tried the dead pair by now
+        taker.start()
+        assert q.get(timeout=120) is True
+        for p in (consumer, taker):
+            p.join(60)
+            assert p.exitcode == 0
+    finally:
+        for p in procs:
+            if p.pid is not None:
+                p.kill()

@@ -147,22 +147,30 @@ class DistChannel(Channel):
         if self.group is None:  # the first batch of a takeover: build its pair
             self.group = make_group(self.rt.group_spec(self.pair, CONSUMER, 2))
         buf = torch.empty(desc["size"], dtype=torch.uint8, device=self.device)
-        work = self.group.recv([buf], PRODUCER, 0)
         if not self.follow:
-            work.wait()
+            self.group.recv([buf], PRODUCER, 0).wait()
             return pack.unpack(desc["layout"], buf.cpu(), desc["info"])
         # The producer may be lost with the payload half sent: wait in a thread (a gloo wait
-        # that times out closes the pair) and give up when a takeover is announced.
+        # that times out closes the pair) and give up when a takeover is announced. A producer
+        # that died before the receive was posted fails the posting itself (gloo raises at
+        # once on a connection its peer closed): the same loss, settled the same way.
         done, failed = threading.Event(), []
 
-        def wait() -> None:
+        def wait(work) -> None:
             try:
                 work.wait()
             except BaseException as e:  # noqa: BLE001 - a lost producer, or re-raised
                 failed.append(e)
             done.set()
 
-        threading.Thread(target=wait, daemon=True, name=f"llamarl-recv-{self.channel}").start()
+        try:
+            work = self.group.recv([buf], PRODUCER, 0)
+        except RuntimeError as e:
+            failed.append(e)
+            done.set()
+        else:
+            threading.Thread(target=wait, args=(work,), daemon=True,
+                             name=f"llamarl-recv-{self.channel}").start()
         deadline = None
         while not done.wait(TAKEOVER_POLL_S):
             self.check_alive()
