@@ -259,3 +259,57 @@ def test_join_names_what_is_wrong_in_one_line(tmp_path):
                               timeout=120)
         assert proc.returncode == 2 and what in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr
+
+
+def _process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants."""
+    kids = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [pid] + [p for k in kids.split() for p in _process_tree(int(k))]
+
+
+def test_a_lost_node_under_two_node_torchrun(tmp_path, cache_dir):
+    """Two torchrun agents as on two hosts: node 0 = trainer 0 + engine 0, node 1 = engines
+    1 and 2. Node 1 is lost whole (its agent, the engines' supervisors and the engines
+    SIGKILLed at once): the batches that crossed hosts from it are made again by engine 0,
+    the run completes every step, and rank 0 names the lost node and torchrun's exit barrier,
+    which keeps node 0's agent up to 300 s more (so the test stops it)."""
+    port, steps = _free_port(), 20
+    logs = [tmp_path / f"node{n}.log" for n in range(2)]
+    agents = []
+    for n in range(2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+               "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+               "--rdzv-id=lost-node-test", "--max-restarts=0", "-m", "llamarl.launch", RECIPE,
+               f"run.output_dir={tmp_path}", "trainer.ranks=1", "generator.engines=3",
+               "generator.prompts_per_step=48", f"run.steps={steps}", "run.eval_every=10",
+               "data.eval_prompts=64"]
+        with open(logs[n], "w") as log:
+            agents.append(subprocess.Popen(cmd, cwd=ROOT, env=child_env(LLAMARL_CACHE=cache_dir),
+                                           stdout=log, stderr=subprocess.STDOUT))
+        time.sleep(0.5)
+    try:
+        run = _wait_for_rows(tmp_path, agents, KILL_AT)
+        for pid in _process_tree(agents[1].pid):
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 300
+        while "the run is complete; the job lost node(s) 1" not in logs[0].read_text():
+            assert agents[0].poll() is None and time.monotonic() < deadline, \
+                logs[0].read_text()[-4000:]
+            time.sleep(0.5)
+        while len(_process_tree(agents[0].pid)) > 1:  # its workers end; it waits
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    finally:
+        for a in agents:
+            a.kill()
+    out = logs[0].read_text()
+    assert "rank 2 (generator 1) died" in out and "rank 3 (generator 2) died" in out, out[-3000:]
+    assert "goes on with 1 of 3 engines" in out
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert all(sorted(r["behaviour_version_by_engine"]) == ["0", "1", "2"] for r in rows), rows
+    assert rows[0]["engines_live"] == 3 and rows[-1]["engines_live"] == 1
+    evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
+    assert evals[-1]["step"] == steps and evals[-1]["prompts"] == 64, evals
+    run_id = run.name.split("-", 2)[-1]
+    assert not list(Path("/dev/shm").glob(f"llamarl_{run_id}*"))

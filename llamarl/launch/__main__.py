@@ -139,11 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             from llamarl.generator.loop import run_generator
             run_generator(rt)
         rt.watchdog.mark_done()
-        if rt.hosts_store:
-            rt.wait_all_done()
-            # every rank is done: what a lost engine left on this host goes too (vLLM's tp
-            # segments of an engine whose ranks were all killed; other hosts keep theirs)
-            rt.cleanup_shared_memory()
+        rt.end_of_job()  # each node's shared memory swept once every rank is done
     except BaseException as e:  # noqa: BLE001 - report every failure to the peers, then exit
         if not isinstance(e, KeyboardInterrupt):
             rt.watchdog.leave_if_mate_lost()  # this rank's engine is lost, the job goes on

@@ -62,6 +62,13 @@ class Layout:
     def node_of(self, rank: int) -> int:
         return rank // self.ranks_per_node
 
+    @property
+    def nodes(self) -> int:
+        return self.world_size // self.ranks_per_node
+
+    def node_ranks(self, node: int) -> list[int]:
+        return list(range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node))
+
     def describe(self) -> str:
         return (f"{self.world_size} ranks = {self.trainer_ranks} trainer + {self.engines} engine(s)"
                 f" x tp {self.tp}")

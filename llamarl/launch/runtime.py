@@ -28,7 +28,7 @@ from llamarl.launch.dist_env import DistEnv
 from llamarl.launch.job_store import StoreError, job_identity, job_prefix, open_job_store
 from llamarl.launch.layout import Layout, RankRole
 from llamarl.launch.roster import Roster
-from llamarl.launch.watchdog import Watchdog
+from llamarl.launch.watchdog import Watchdog, peek
 from llamarl.parallel.groups import GroupSpec, connect_store, default_backend
 from llamarl.parallel.transports.base import TransportSpec
 
@@ -103,17 +103,67 @@ class Runtime:
         """The checkpoint this job resumes from ({} for a new run): path and its meta.json."""
         return json.loads(self.wait_key("resume"))
 
-    def wait_all_done(self, timeout_s: float = 120.0) -> None:
-        """The store host must outlive every rank's last store access."""
+    def wait_all_done(self, timeout_s: float) -> bool:
+        """Until every rank has ended (`done/<rank>`: ok, or lost); False if some has not
+        within `timeout_s` (said in one line)."""
         keys = [f"done/{r}" for r in range(self.layout.world_size)]
         try:
             self.store.wait(keys, timedelta(seconds=timeout_s))
+            return True
         except dist.DistStoreError:
             missing = [k for k in keys if not self.store.check([k])]
-            print(f"llamarl: rank 0 gave up waiting for {missing} to finish", file=sys.stderr)
+            print(f"llamarl: rank {self.env.rank} gave up waiting for {missing} to finish",
+                  file=sys.stderr)
+            return False
+
+    def end_of_job(self) -> None:
+        """After this rank has marked itself done. On every node, its local rank 0 waits
+        until every rank of the job has ended, then sweeps the node's shared memory of the
+        run: what a lost engine left there (vLLM's tp segments of an engine whose ranks were
+        all killed) goes with the run, on each host. The store's host (Slurm / plain rank 0)
+        must outlive every rank's last store access, so it also waits for the other nodes'
+        sweeps. Under torchrun rank 0 names the nodes the job lost (lost_nodes_line)."""
+        if self.env.local_rank != 0:
+            return
+        node = self.layout.node_of(self.env.rank)
+        # (the store host waits as long as it always has: a rank that never ends is said)
+        if not self.wait_all_done(120.0 if self.hosts_store else STARTUP_TIMEOUT_S):
+            return  # ranks of this node may still use their segments
+        self.cleanup_shared_memory()
+        sweepers = [self.layout.node_ranks(n)[0] for n in range(self.layout.nodes)]
+        if not self.hosts_store:
+            self.store.set(f"swept/{node}", "1")
+        else:  # nodes whose sweeper ended well sweep now
+            others = [f"swept/{self.layout.node_of(r)}" for r in sweepers
+                      if r != self.env.rank and peek(self.store, f"done/{r}") == b"ok"]
+            try:
+                self.store.wait(others, timedelta(seconds=30))
+            except dist.DistStoreError:
+                pass  # (that node's segments stay; the run is complete)
+        if self.env.launcher == "torchrun" and self.env.rank == 0:
+            line = lost_nodes_line(self.store, self.layout)
+            if line:
+                print(line, file=sys.stderr, flush=True)
 
     def cleanup_shared_memory(self) -> None:
         sweep_run(self.run_id)
+
+
+def lost_nodes_line(store: dist.Store, layout: Layout) -> str:
+    """Under torchrun, once every rank has ended: a line naming the nodes whose ranks the job
+    lost, every one (`done/<rank>` = lost: the node is gone, or its engines and their
+    replacements all failed), or "". A torchrun agent whose workers all succeeded waits in
+    torchrun's exit barrier for the agents of every node, up to 300 s (its
+    exit_barrier_timeout, which torchrun's command line cannot set), in a store call that
+    Ctrl-C does not interrupt; a lost node's agent never comes (docs/operations.md)."""
+    lost = [n for n in range(layout.nodes)
+            if all(peek(store, f"done/{r}") == b"lost" for r in layout.node_ranks(n))]
+    if not lost:
+        return ""
+    nodes = ", ".join(str(n) for n in lost)
+    return (f"llamarl: the run is complete; the job lost node(s) {nodes}: torchrun's agents "
+            "may wait up to 300 s for theirs in torchrun's exit barrier before they exit "
+            "(nothing is lost if you kill them now; an srun launch has no such wait)")
 
 
 def pick_device(env: DistEnv) -> torch.device:
