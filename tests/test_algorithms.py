@@ -5,7 +5,11 @@ import math
 import pytest
 import torch
 
-from llamarl.algorithms.advantages import compute_advantages, group_advantages
+from llamarl.algorithms.advantages import (
+    compute_advantages,
+    equal_reward_groups,
+    group_advantages,
+)
 from llamarl.algorithms.policy_loss import policy_loss
 from llamarl.config import AlgorithmConfig
 
@@ -23,6 +27,18 @@ def test_group_advantages_by_hand():
 def test_all_equal_group_gets_zero_advantage():
     a = group_advantages(torch.tensor([0.5, 0.5, 0.5]), torch.tensor([1, 1, 1]))
     assert torch.equal(a, torch.zeros(3))
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"])
+def test_a_group_of_equal_rewards_that_float32_cannot_average_exactly_gets_zero(name):
+    """Eight rewards of 0.9 (or 0.3, 7/11) average to a float32 a few ulps off the value: GRPO
+    divided that by std + eps ~ 1e-6 and gave the whole group +-0.056."""
+    rewards = torch.tensor([0.9] * 8 + [0.3] * 8 + [7 / 11] * 8 + [0.0] * 4 + [1.0] * 4)
+    groups = torch.tensor([0] * 8 + [1] * 8 + [2] * 8 + [3] * 8)
+    a = compute_advantages(name, rewards, groups, torch.ones(32))
+    assert torch.equal(a[:24], torch.zeros(24)), a[:24]
+    assert (a[24:28] < 0).all() and (a[28:] > 0).all()  # the group with a spread still learns
+    assert equal_reward_groups(rewards, groups).tolist() == [True] * 24 + [False] * 8
 
 
 def _example():

@@ -25,18 +25,44 @@ import torch
 from llamarl.algorithms.registry import ESTIMATORS, resolve
 
 
+# A group whose rewards spread by no more than this counts as all equal (float noise; the same
+# rule as dynamic sampling's, rewards/dynamic_sampling.py).
+EQUAL_REWARDS_TOL = 1e-6
+
+
 def _group_centered(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """r - mean(group), the group's population std and its size, per sample."""
+    """r - mean(group), the group's population std and its size, per sample.
+
+    A group whose rewards are all equal gets exactly 0 and std 0: its float32 mean is not
+    always its value (eight rewards of 0.9 average to 0.9 - 6e-8), and GRPO divides that
+    rounding error by std + eps ~ 1e-6, which gave every sample of the group an advantage of
+    +-0.056, one sign for the whole group."""
     centered = torch.empty_like(rewards, dtype=torch.float32)
     std = torch.empty_like(centered)
     size = torch.empty_like(centered)
+    equal = equal_reward_groups(rewards, group_ids)
     for g in torch.unique(group_ids):
         idx = group_ids == g
         r = rewards[idx].float()
-        centered[idx] = r - r.mean()
-        std[idx] = r.std(unbiased=False)
+        if equal[idx][0]:
+            centered[idx], std[idx] = 0.0, 0.0
+        else:
+            centered[idx] = r - r.mean()
+            std[idx] = r.std(unbiased=False)
         size[idx] = float(len(r))
     return centered, std, size
+
+
+def equal_reward_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """rewards, group_ids: [B] -> bool [B]: whether the sample's group has all its rewards
+    equal (spread <= EQUAL_REWARDS_TOL): no signal under a group baseline."""
+    if not len(rewards):
+        return torch.zeros(0, dtype=torch.bool)
+    _, inv = torch.unique(group_ids, return_inverse=True)
+    r = rewards.float()
+    top = torch.full((int(inv.max()) + 1,), -torch.inf).scatter_reduce(0, inv, r, "amax")
+    low = torch.full_like(top, torch.inf).scatter_reduce(0, inv, r, "amin")
+    return (top - low)[inv] <= EQUAL_REWARDS_TOL
 
 
 def _whiten(values: torch.Tensor, weights: torch.Tensor, eps: float,

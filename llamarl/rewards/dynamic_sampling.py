@@ -21,9 +21,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from llamarl.algorithms.advantages import EQUAL_REWARDS_TOL
 from llamarl.rewards.scorer import ScoredGroup
 
-INFORMATIVE_TOL = 1e-6  # reward spread below this counts as "all equal" (float noise)
+# reward spread up to this counts as "all equal" (float noise): such a group's advantages are 0
+INFORMATIVE_TOL = EQUAL_REWARDS_TOL
 
 
 def is_informative(rewards: list[float], tol: float = INFORMATIVE_TOL) -> bool:

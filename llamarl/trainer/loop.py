@@ -239,6 +239,8 @@ def run_trainer(rt: Runtime) -> None:
         row = {
             "step": step + 1, "policy_version": version,
             "reward_mean": stats["reward_sum"] / max(stats["n_seqs"], 1.0),
+            # samples whose group's rewards are all equal: no signal under a group baseline
+            "equal_reward_share": stats["equal_reward_seqs"] / max(stats["n_seqs"], 1.0),
             "loss": stats["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"],
             "clip_frac": stats.get("corrected", 0.0) / n_tok,
             "mismatch_kl": stats.get("mismatch_kl", 0.0) / n_tok,

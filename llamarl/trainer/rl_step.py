@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from llamarl.algorithms.advantages import compute_advantages
+from llamarl.algorithms.advantages import compute_advantages, equal_reward_groups
 from llamarl.algorithms.gae import gae, masked_whiten, reward_to_go, token_rewards, value_loss
 from llamarl.algorithms.kl import kl_estimate
 from llamarl.algorithms.policy_loss import aggregate, policy_loss
@@ -131,18 +131,19 @@ def policy_step(trainer: PolicyTrainer, batch: RolloutBatch | None, cfg, pad_id:
 def _global_counts(batch, n: int, version: int, filler) -> dict:
     """Token, sequence, reward and staleness totals over every trainer rank."""
     stale = (version - batch.policy_version) if n else torch.zeros(1)
+    equal = equal_reward_groups(batch.rewards, batch.group_ids) if n else torch.zeros(0)
     local = torch.tensor([float(batch.loss_mask.sum()) if n else 0.0, float(n),
                           float(batch.rewards.sum()) if n else 0.0,
                           float(batch.finished.sum()) if n else 0.0,
                           float(stale.sum()) if n else 0.0,
                           float(len(filler)) if filler is not None else 0.0,
-                          float(batch.seq_lens.sum()) if n else 0.0])
+                          float(batch.seq_lens.sum()) if n else 0.0, float(equal.sum())])
     top = torch.tensor([float(stale.max()) if n else 0.0])
     if dist.is_initialized():
         dist.all_reduce(local)
         dist.all_reduce(top, op=dist.ReduceOp.MAX)
     keys = ("n_tokens", "n_seqs", "reward_sum", "finished", "staleness_sum", "dropped",
-            "n_tokens_all")
+            "n_tokens_all", "equal_reward_seqs")
     return dict(zip(keys, local.tolist()), staleness_max=float(top))
 
 
