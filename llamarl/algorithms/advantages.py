@@ -24,7 +24,6 @@ import torch
 
 from llamarl.algorithms.registry import ESTIMATORS, resolve
 
-
 # A group whose rewards spread by no more than this counts as all equal (float noise; the same
 # rule as dynamic sampling's, rewards/dynamic_sampling.py).
 EQUAL_REWARDS_TOL = 1e-6

@@ -110,8 +110,11 @@ class Runtime:
         try:
             self.store.wait(keys, timedelta(seconds=timeout_s))
             return True
-        except dist.DistStoreError:
-            missing = [k for k in keys if not self.store.check([k])]
+        except dist.DistError:  # timed out, or the store's host gave up first and left
+            try:
+                missing = [k for k in keys if not self.store.check([k])]
+            except dist.DistError:
+                missing = "the store's host"
             print(f"llamarl: rank {self.env.rank} gave up waiting for {missing} to finish",
                   file=sys.stderr)
             return False
@@ -132,7 +135,10 @@ class Runtime:
         self.cleanup_shared_memory()
         sweepers = [self.layout.node_ranks(n)[0] for n in range(self.layout.nodes)]
         if not self.hosts_store:
-            self.store.set(f"swept/{node}", "1")
+            try:
+                self.store.set(f"swept/{node}", "1")
+            except dist.DistError:
+                pass  # (the store's host gave up waiting and left: the run is complete)
         else:  # nodes whose sweeper ended well sweep now
             others = [f"swept/{self.layout.node_of(r)}" for r in sweepers
                       if r != self.env.rank and peek(self.store, f"done/{r}") == b"ok"]
