@@ -133,15 +133,14 @@ class Runtime:
         if not self.wait_all_done(120.0 if self.hosts_store else STARTUP_TIMEOUT_S):
             return  # ranks of this node may still use their segments
         self.cleanup_shared_memory()
-        sweepers = [self.layout.node_ranks(n)[0] for n in range(self.layout.nodes)]
         if not self.hosts_store:
             try:
                 self.store.set(f"swept/{node}", "1")
             except dist.DistError:
                 pass  # (the store's host gave up waiting and left: the run is complete)
-        else:  # nodes whose sweeper ended well sweep now
-            others = [f"swept/{self.layout.node_of(r)}" for r in sweepers
-                      if r != self.env.rank and peek(self.store, f"done/{r}") == b"ok"]
+        else:  # the other nodes whose sweeper (first rank) ended well sweep now
+            others = [f"swept/{n}" for n in range(self.layout.nodes) if n != node and
+                      peek(self.store, f"done/{self.layout.node_ranks(n)[0]}") == b"ok"]
             try:
                 self.store.wait(others, timedelta(seconds=30))
             except dist.DistStoreError:
