@@ -94,3 +94,21 @@ def test_the_bound_still_holds_and_the_final_version_ends_the_wait(follower):
     trainer.announce(3, after_s=0.2)
     assert not w.follow(need=2, prefer=3, queued=lambda: True)  # done: no more batches
     assert w.version == 3 and len(w.loads) == 3
+
+
+def test_the_final_version_is_asked_of_the_store_once_per_load_not_once_per_call(follower):
+    """Continuous mode calls follow() between every two engine steps: with nothing new to
+    load it must not cost a store round trip (trainer 0 sets trainer/final_version before it
+    announces its last broadcast, so the answer can only change once one is loaded)."""
+    w, trainer = follower
+    asked = []
+    check = w.rt.store.check
+    w.rt.store = SimpleNamespace(check=lambda keys: asked.append(keys) or check(keys),
+                                 get=w.rt.store.get, set=w.rt.store.set)
+    for _ in range(50):
+        assert w.follow(need=0)
+    assert len(asked) == 1
+    w.rt.store.set("trainer/final_version", "1")
+    trainer.announce(1).join()
+    assert not w.follow(need=1)  # loaded, asked again: the final version is in
+    assert w.version == 1 and len(asked) == 2
