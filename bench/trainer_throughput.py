@@ -120,17 +120,63 @@ def update_flops(config, batch) -> float:
     return float(6 * matmul_params * lens.sum() + 6 * layers * heads * d_head * (lens**2).sum())
 
 
-def print_profile(update, cuda: bool) -> None:
-    """torch.profiler's 25 most expensive operators of one update, by device time."""
+def print_profile(update, cuda: bool) -> dict:
+    """torch.profiler over one update: the 25 most expensive operators by device time, and by
+    host time (self, and with children: FSDP2's hooks, compiled regions); on a GPU the share of
+    the update's wall time the device was busy (the union of its kernels' intervals)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
         update()
         if cuda:
             torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    avg = prof.key_averages()
     key = "cuda_time_total" if cuda else "cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=25), file=sys.stderr, flush=True)
+    print(avg.table(sort_by=key, row_limit=25), file=sys.stderr, flush=True)
+    print(avg.table(sort_by="self_cpu_time_total", row_limit=25), file=sys.stderr, flush=True)
+    print(avg.table(sort_by="cpu_time_total", row_limit=40), file=sys.stderr, flush=True)
+    out = {"profiled_wall_s": wall,
+           "host_self_cpu_s": sum(e.self_cpu_time_total for e in avg) / 1e6}
+    if cuda:
+        spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if getattr(e.device_type, "name", "") == "CUDA")
+        busy, end = 0.0, -math.inf
+        for a, b in spans:  # union of the device intervals, in microseconds
+            if b > end:
+                busy += b - max(a, end)
+                end = b
+        out["device_busy_s"] = busy / 1e6
+    print(json.dumps({"profile": out}), file=sys.stderr, flush=True)
+    return out
+
+
+def sync_sites(update) -> dict[str, int]:
+    """The places in one update where the host waits for the GPU (torch's sync debug mode):
+    'file:line <- file:line ...' of the Python frames nearest the synchronising call -> count."""
+    import collections
+    import traceback
+    import warnings
+
+    sites: collections.Counter = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if "warnings" not in f.filename][-4:]
+        sites[" <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames))] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            update()
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return dict(sites.most_common())
 
 
 def main() -> None:
@@ -156,6 +202,13 @@ def main() -> None:
                    help="print torch.profiler's top kernels of one timed GRPO update")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="the device's dense peak for MFU (default: H100/H200 bf16 989)")
+    p.add_argument("--sync-debug", action="store_true",
+                   help="list where one timed GRPO update makes the host wait for the GPU")
+    p.add_argument("--no-trace-varlen", action="store_true",
+                   help="call the varlen attention from outside the compiled blocks")
+    p.add_argument("--unfused-head", action="store_true",
+                   help="trainer.compile compiles the head's in-place softmax passes")
+    p.add_argument("--label", default="", help="a name for this run in the output")
     p.add_argument("--variant", choices=["both_algorithms", "padded", "packed"],
                    default="both_algorithms", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -182,6 +235,13 @@ def main() -> None:
     path = path or build_model_dir(args.model)
 
     from llamarl.trainer import policy as policy_mod
+    from llamarl.trainer import varlen_attention
+
+    if args.no_trace_varlen:
+        varlen_attention.TRACE_VARLEN = False
+    if args.unfused_head:
+        from llamarl.trainer import linear_logprobs as head
+        head.FORWARD_FOR_COMPILE, head.GRAD_FOR_COMPILE = head._chunk_forward, head._chunk_grad
 
     variant = []
     if args.variant == "padded":
@@ -225,18 +285,27 @@ def main() -> None:
             if i:  # the first is warm-up
                 times.append(time.perf_counter() - t0)
         med = statistics.median(times)
+        update = functools.partial(policy_step, trainer, batch, cfg, pad)
+        profiled = sites = None
         if args.profile and alg == "grpo" and rank == 0:
-            print_profile(functools.partial(policy_step, trainer, batch, cfg, pad), cuda)
+            profiled = print_profile(update, cuda)
+        if args.sync_debug and alg == "grpo" and cuda:
+            sites = sync_sites(update)
         flops = update_flops(model.config, batch) * world  # every rank's batch is alike
-        peak = args.peak_tflops or (989.0 if cuda and "H1" in torch.cuda.get_device_name()
-                                    else None)
+        name = torch.cuda.get_device_name() if cuda else ""
+        peak = args.peak_tflops or (989.0 if "H100" in name or "H200" in name else None)
         rss = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 2**20
         results[alg] = {"update_s": med, "trained_tokens_per_s": stats["n_tokens_all"] / med,
                         "padding_share": stats["padding_share"],
                         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda
                         else None, "cpu_peak_rss_growth_gib": None if cuda else rss,
                         "model_tflops_per_s": flops / med / 1e12 / world,
-                        "mfu": flops / med / 1e12 / world / peak if peak else None}
+                        "mfu": flops / med / 1e12 / world / peak if peak else None,
+                        "update_s_all": times}
+        if profiled:
+            results[alg]["profile"] = profiled
+        if sites is not None:
+            results[alg]["sync_sites"] = sites
         del model, trainer, critic, reference
         if cuda:
             torch.cuda.empty_cache()

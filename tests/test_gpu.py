@@ -103,11 +103,15 @@ def test_tp2_engine_weight_parity_over_nccl(tmp_path, tiny_model_dir):
 
 
 @pytest.mark.skipif(gpus() < 1, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled_head"])
+@pytest.mark.parametrize("compile", ["", "head", "blocks"],
+                         ids=["eager", "compiled_head", "compiled_blocks"])
 def test_packed_logprobs_on_cuda_match_padded(compile):
-    """A packed micro-batch on CUDA (torch's varlen flash attention, the chunked head, and
-    with trainer.compile its compiled softmax passes) gives the padded batch's logprobs and
-    gradients (bfloat16 compute: loose tolerances)."""
+    """A packed micro-batch on CUDA (torch's varlen flash attention with grouped KV heads, the
+    chunked head, and as trainer.compile does it the head's compiled softmax passes, then
+    also the decoder blocks compiled with the varlen attention traced into them) gives the
+    padded batch's logprobs and gradients (bfloat16 compute: loose tolerances), also for a
+    second packing of other lengths (the compiled blocks must not be specialised to the
+    first)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from llamarl.trainer import linear_logprobs
@@ -123,22 +127,27 @@ def test_packed_logprobs_on_cuda_match_padded(compile):
     model.config.use_cache = False
     B, T = 4, 300
     ids = torch.randint(0, 5000, (B, T))
-    attn = torch.ones(B, T, dtype=torch.long)
-    for i, n in enumerate((300, 120, 37, 211)):
-        attn[i, n:] = 0
-    batch = TokenBatch(ids, attn, ids[:, 1:].clone(), attn[:, 1:].float(), torch.zeros(B, T - 1))
-    linear_logprobs.use_compiled(compile)
+    if compile == "blocks":
+        for layer in model.model.layers:
+            layer.compile(dynamic=True)
+    linear_logprobs.use_compiled(bool(compile))
     try:
-        outs = []
-        for mb in (batch, batch.pack()):
-            model.zero_grad()
-            lp, _ = token_logprobs(model, mb.to(torch.device("cuda")), 1.0, chunk_mib=0.5)
-            (lp * mb.mask.cuda()).sum().backward()
-            outs.append((lp.detach() * mb.mask.cuda(),
-                         [p.grad.float().clone() for p in model.parameters()]))
+        for lens in ((300, 120, 37, 211), (64, 250, 9, 180)):
+            attn = torch.zeros(B, T, dtype=torch.long)
+            for i, n in enumerate(lens):
+                attn[i, :n] = 1
+            batch = TokenBatch(ids, attn, ids[:, 1:].clone(), attn[:, 1:].float(),
+                               torch.zeros(B, T - 1))
+            outs = []
+            for mb in (batch, batch.pack()):
+                model.zero_grad()
+                lp, _ = token_logprobs(model, mb.to(torch.device("cuda")), 1.0, chunk_mib=0.5)
+                (lp * mb.mask.cuda()).sum().backward()
+                outs.append((lp.detach() * mb.mask.cuda(),
+                             [p.grad.float().clone() for p in model.parameters()]))
+            (a, ga), (b, gb) = outs
+            assert (a - b).abs().max() < 0.1, (lens, (a - b).abs().max())
+            for x, y in zip(ga, gb):
+                assert torch.allclose(x, y, rtol=0.1, atol=0.05 * float(x.abs().max()) + 1e-3)
     finally:
         linear_logprobs.use_compiled(False)
-    (a, ga), (b, gb) = outs
-    assert (a - b).abs().max() < 0.1, (a - b).abs().max()
-    for x, y in zip(ga, gb):
-        assert torch.allclose(x, y, rtol=0.1, atol=0.05 * float(x.abs().max()) + 1e-3)

@@ -117,3 +117,25 @@ def test_compiled_softmax_passes_equal_the_eager_ones():
         head.use_compiled(False)
     for a, b in zip(eager, compiled):
         assert torch.allclose(a, b, rtol=1e-5, atol=2e-5), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("tau", [1.0, 0.7])
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_the_fusable_softmax_passes_equal_the_in_place_ones(tau, entropy_grad):
+    """What trainer.compile compiles (linear_logprobs._chunk_*_fusable: row reductions and one
+    elementwise expression) computes the in-place passes' lse, logprob, entropy and logits
+    gradient (both compute in float32) to float32 rounding."""
+    from llamarl.trainer import linear_logprobs as head
+
+    torch.manual_seed(2)
+    logits = torch.randn(23, 300, dtype=torch.float64) * 4
+    y = torch.randint(0, 300, (23,))
+    g_lp, g_ent = torch.randn(23), torch.randn(23)
+    lse0, lp0, ent0 = head._chunk_forward(logits, y, tau)
+    lse1, lp1, ent1 = head._chunk_forward_fusable(logits, y, tau)
+    for a, b in ((lse0, lse1), (lp0, lp1), (ent0, ent1)):
+        assert torch.allclose(a, b, rtol=1e-6, atol=2e-6), (a - b).abs().max()
+    g = g_ent if entropy_grad else None
+    gz0 = head._chunk_grad(logits, y, lse0, ent0, g_lp, g, tau)
+    gz1 = head._chunk_grad_fusable(logits, y, lse0, ent0, g_lp, g, tau)
+    assert torch.allclose(gz0, gz1, rtol=1e-5, atol=2e-6), (gz0 - gz1).abs().max()

@@ -43,6 +43,27 @@ def test_packed_logprobs_equal_padded_ones():
     assert (plp[~scored] == 0).all() and (pent[~scored] == 0).all()
 
 
+def test_a_packed_row_passes_its_boundaries_where_the_attention_reads_them():
+    """The packer's sequence boundaries: [0, l1, l1 + l2, ...] on the CPU (llamarl_bounds,
+    read by the CPU attention's loop) and as int32 for the varlen kernel (cu_seqlens, moved
+    with the micro-batch). On the CPU only the CPU ones are passed to the model (on a GPU
+    with the varlen kernel only the device ones: FSDP2 would move the CPU ones to the GPU,
+    and reading them there made every layer wait for the device; tests/test_gpu.py)."""
+    from llamarl.trainer.policy import model_inputs
+
+    _, tok = build_model(seed=0)
+    full = pad_rollouts(make_batch(3, 4, seed=2), tok.pad_token_id)
+    packed = full.pack().packed
+    lens = full.attention_mask.sum(1)
+    expect = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+    assert torch.equal(packed.bounds, expect) and packed.bounds.device.type == "cpu"
+    assert packed.cu_seqlens.dtype == torch.int32 and torch.equal(packed.cu_seqlens.long(),
+                                                                  expect)
+    inputs = model_inputs(full.pack().to(torch.device("cpu")))
+    assert inputs["llamarl_bounds"] is not None and "llamarl_cu_seqlens" not in inputs
+    assert torch.equal(inputs["position_ids"][0, expect[:-1]], torch.zeros(len(lens)).long())
+
+
 def _update(extra: list[str], model_dir) -> tuple[dict, dict]:
     cfg = load_config(None, BASE + extra)
     model, tok = build_model(seed=0)

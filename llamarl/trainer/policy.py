@@ -31,7 +31,10 @@ class PackedRows:
     last position of each sequence (it would score the next sequence's first token) has
     none. bounds: [N + 1] int64 on the CPU for the N sequences, the start of each and L
     (cumulative lengths): the attention reads them without waiting for the device (reading the
-    boundaries off the position ids on a GPU stalled every layer)."""
+    boundaries off the position ids on a GPU stalled every layer). cu_seqlens: the same
+    boundaries as int32 on the model's device, copied once per micro-batch for the varlen
+    attention kernel (built in every layer from `bounds`, the copy made the host wait for
+    the device 24 times per forward of a 24-layer model)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
@@ -39,10 +42,12 @@ class PackedRows:
     dst_row: torch.Tensor
     dst_col: torch.Tensor
     bounds: torch.Tensor
+    cu_seqlens: torch.Tensor
 
     def to(self, device: torch.device) -> PackedRows:
-        return PackedRows(*(getattr(self, f.name).to(device) for f in fields(self)
-                            if f.name != "bounds"), bounds=self.bounds)
+        return PackedRows(**{f.name: getattr(self, f.name) if f.name == "bounds"
+                             else to_device(getattr(self, f.name), device)
+                             for f in fields(self)})
 
 
 @dataclass
@@ -76,7 +81,8 @@ class TokenBatch:
 
     def to(self, device: torch.device) -> TokenBatch:
         return TokenBatch(**{f.name: None if getattr(self, f.name) is None
-                             else getattr(self, f.name).to(device) for f in fields(self)})
+                             else to_device(getattr(self, f.name), device)
+                             for f in fields(self)})
 
     def take(self, rows: torch.Tensor | list[int]) -> TokenBatch:
         """Rows `rows` (indices), trimmed to the longest of them: a micro-batch."""
@@ -100,10 +106,11 @@ class TokenBatch:
         total = int(lens.sum())
         pos = segment_positions(lens, total)
         scored = pos > 0  # token c of a sequence is scored at c - 1; its first never is
+        bounds = torch.cat([lens.new_zeros(1), lens.cumsum(0)]).long().cpu()
         packed = PackedRows(self.input_ids[keep][None], pos[None],
                             torch.nonzero(scored).squeeze(1) - 1,
                             segment_ids(lens, total)[scored], pos[scored] - 1,
-                            torch.cat([lens.new_zeros(1), lens.cumsum(0)]).long().cpu())
+                            bounds, bounds.int())
         return replace(self, packed=packed)
 
     def padding_share(self) -> float:
@@ -113,18 +120,41 @@ class TokenBatch:
         return 1.0 - float(self.attention_mask.sum()) / max(self.attention_mask.numel(), 1)
 
 
+def to_device(t, device: torch.device):
+    """`t` (a tensor or a PackedRows) on `device`. A CPU tensor bound for a GPU goes through
+    pinned memory without blocking: a copy from pageable memory makes the host wait until the
+    device has run everything queued before it, so each micro-batch's inputs drained the
+    GPU's queue while the host had the whole forward still to launch."""
+    if isinstance(t, PackedRows):
+        return t.to(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def model_inputs(batch: TokenBatch) -> dict[str, torch.Tensor]:
     """The keyword arguments of a HF model's forward for `batch`: the padded rows with their
     attention mask, or the packed row with its position ids and no mask (Hugging Face then
     keeps attention inside each sequence: the sequence boundaries are where the position ids
     restart; flash_attention_2 reads them as varlen boundaries, sdpa/eager/flex get a
     block-diagonal causal mask; a KV cache would hide the boundaries from it, hence
-    use_cache=False). `llamarl_bounds` reaches the attention (varlen_attention) through
-    Hugging Face's attention keyword arguments: the sequence boundaries, on the CPU."""
+    use_cache=False). The sequence boundaries reach the attention (varlen_attention) through
+    Hugging Face's attention keyword arguments: `llamarl_cu_seqlens` on the model's device
+    where torch's varlen flash attention runs, `llamarl_bounds` (CPU) elsewhere."""
+    from llamarl.trainer import varlen_attention
+
     if batch.packed is None:
         return {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
-    return {"input_ids": batch.packed.input_ids, "position_ids": batch.packed.position_ids,
-            "use_cache": False, "llamarl_bounds": batch.packed.bounds}
+    p = batch.packed
+    out = {"input_ids": p.input_ids, "position_ids": p.position_ids, "use_cache": False}
+    if varlen_attention.varlen_available(p.cu_seqlens.device):  # the varlen kernel runs there
+        out["llamarl_cu_seqlens"] = p.cu_seqlens
+    if "llamarl_cu_seqlens" not in out or not varlen_attention.TRACE_VARLEN:
+        # Only where the attention reads them on the host: FSDP2's root module moves every
+        # tensor argument to its device, blocking (torch.distributed.utils._to_kwargs), so on
+        # a GPU these arrive as a GPU tensor whose read waits for the device in every layer
+        out["llamarl_bounds"] = p.bounds
+    return out
 
 
 def to_padded(batch: TokenBatch, x: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,13 @@ Here each sequence [a, b) of the row attends causally to itself only, one
 sequences' own squares. On a GPU the whole row goes to one call of torch's flash-attention
 varlen kernel instead (`torch.nn.attention.varlen.varlen_attn`, where it takes a `scale`; for
 fp16/bf16 models: float32 keeps the per-sequence loop).
-The boundaries come from TokenBatch.pack as a CPU tensor (`llamarl_bounds`), so neither path
-waits on the device; without them they are read off the position ids.
+The boundaries come from TokenBatch.pack: where the varlen kernel runs, as an int32 tensor
+already on the device (`llamarl_cu_seqlens`), elsewhere as a CPU tensor (`llamarl_bounds`,
+for the loop), so neither path waits on the device; without them they are read off the
+position ids. The CUDA path reads no Python value off them, so with trainer.compile it is
+traced into each decoder block's graph. (A CPU tensor never reaches a GPU model's attention
+as one: FSDP2's root moves every tensor argument to the GPU, and reading it there in every
+layer made the host wait for the device 24 times per forward of a 24-layer model.)
 
 Registered with Hugging Face as `llamarl_sdpa`; `load_policy`/`load_critic` use it for
 `model.attn_implementation: sdpa`. Anything that is not a packed row (a padded batch with its
@@ -33,31 +38,47 @@ def _sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, scalin
 
     pos = kwargs.get("position_ids")
     given = kwargs.pop("llamarl_bounds", None)  # [S + 1] on the CPU, from TokenBatch.pack
-    if attention_mask is not None or (pos is None and given is None) or query.shape[0] != 1:
+    # the same boundaries, int32 on the device: passed only where the varlen kernel runs
+    cu = kwargs.pop("llamarl_cu_seqlens", None)
+    packed = pos is not None or given is not None or cu is not None
+    if attention_mask is not None or not packed or query.shape[0] != 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
-    out = _packed_attention(query, key, value, given, pos, scaling,
-                            dropout if module.training else 0.0)
+    p = dropout if module.training else 0.0
+    if cu is not None and p == 0.0 and TRACE_VARLEN and _flash_fits(query):
+        return _varlen_cuda(query, key, value, cu, scaling), None
+    out = _packed_attention(query, key, value, given, cu, pos, scaling, p)
     if out is None:  # one sequence (or not our packing): plain causal
         return sdpa_attention_forward(module, query, key, value, None, dropout=dropout,
                                       scaling=scaling, **kwargs)
     return out, None
 
 
+# The CUDA varlen path reads no Python value off the boundaries (they reach the kernel as a
+# device tensor, and its longest-sequence bound is the row's length), so torch.compile traces
+# it into the decoder block's graph: no graph break in the middle of every block (each break
+# split a block into two compiled regions, with the guards and launches of both, forward
+# and backward). False: the CUDA kernel is called from the untraced loop below instead.
+TRACE_VARLEN = True
+
+
 # Never compiled (trainer.compile): it reads the boundaries as Python ints, and traced, the
 # guards on their count recompiled the block for each new number of sequences in a row.
 @torch.compiler.disable
-def _packed_attention(query, key, value, given, pos, scaling, p):
+def _packed_attention(query, key, value, given, cu, pos, scaling, p):
     """query [1, H, L, D], key/value [1, H_kv, L, D] of a packed row -> [1, L, H, D], or None
-    when the row holds one sequence."""
+    when the row holds one sequence. given: the sequence boundaries [S + 1] on the CPU; cu:
+    the same as int32 on the device (or None)."""
     if given is not None:
         bounds = given.tolist()
     else:  # position ids restart at each sequence (reads the device: a sync per layer)
         bounds = torch.nonzero(pos[0] == 0).flatten().tolist() + [query.shape[2]]
     if len(bounds) <= 2 or bounds[0] != 0:
         return None
-    if p == 0.0 and _flash_varlen_fits(query):
-        return _varlen_cuda(query, key, value, bounds, scaling)
+    if p == 0.0 and _flash_fits(query) and varlen_available(query.device):
+        if cu is None or cu.device != query.device:
+            cu = torch.tensor(bounds, dtype=torch.int32).to(query.device)
+        return _varlen_cuda(query, key, value, cu, scaling)
     gqa = query.shape[1] != key.shape[1]
     out = torch.cat([F.scaled_dot_product_attention(
         query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=p, is_causal=True,
@@ -66,6 +87,7 @@ def _packed_attention(query, key, value, given, pos, scaling, p):
 
 
 _VARLEN: list = []  # [(varlen_attn, its causal keyword arguments)] once looked up, or [None]
+_CAPABLE: dict = {}  # device index -> compute capability >= 8
 
 
 def _varlen_kernel():
@@ -88,27 +110,39 @@ def _varlen_kernel():
     return _VARLEN[0]
 
 
-def _flash_varlen_fits(query) -> bool:
-    """Flash attention's limits: CUDA, fp16/bf16, head_dim <= 256, compute capability >= 8
-    (a float32 model, the default model.dtype, takes the per-sequence loop)."""
+def varlen_available(device: torch.device) -> bool:
+    """Whether torch's flash-attention varlen kernel runs on `device`: CUDA, compute
+    capability >= 8, a torch whose varlen_attn takes a scale. Looked up once per device,
+    outside any compiled region (TokenBatch inputs are built with it)."""
+    if device.type != "cuda" or _varlen_kernel() is None:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABLE:
+        _CAPABLE[index] = torch.cuda.get_device_capability(index)[0] >= 8
+    return _CAPABLE[index]
+
+
+def _flash_fits(query) -> bool:
+    """Flash attention's limits on the tensors: CUDA, fp16/bf16, head_dim <= 256 (a float32
+    model, the default model.dtype, takes the per-sequence loop)."""
     return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
-            and query.shape[-1] <= 256
-            and torch.cuda.get_device_capability(query.device)[0] >= 8
-            and _varlen_kernel() is not None)
+            and query.shape[-1] <= 256)
 
 
-def _varlen_cuda(query, key, value, bounds: list[int], scaling) -> torch.Tensor:
+def _varlen_cuda(query, key, value, cu: torch.Tensor, scaling) -> torch.Tensor:
     """All sequences of the packed row in one flash-attention call: query [1, H, L, D],
-    key/value [1, H_kv, L, D] -> [1, L, H, D]. Grouped KV heads are repeated (the kernel's
-    own GQA flag is not in every torch version)."""
-    varlen_attn, causal = _varlen_kernel()
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [L, H, D]
-    if k.shape[1] != q.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    cu = torch.tensor(bounds, dtype=torch.int32).to(query.device, non_blocking=True)
-    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
-    out = varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, longest, longest,
+    key/value [1, H_kv, L, D] -> [1, L, H, D], the sequence boundaries `cu` [S + 1] (int32,
+    on the device).
+
+    Grouped KV heads go to the kernel as they are: flash attention reads each KV head for its
+    H / H_kv query heads (repeating them cost two copies of K and V per layer and a reduction
+    of their gradients). The longest-sequence bound the kernel asks for is the row's length
+    L: it sizes the kernel's grid (blocks past a sequence's end return at once), and reading
+    the true longest would take a Python int per row, which torch.compile would guard on."""
+    varlen_attn, causal = _VARLEN[0]
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [L, H(_kv), D]
+    L = q.shape[0]
+    out = varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, L, L,
                       scale=scaling, **causal)
     return out[None]
 

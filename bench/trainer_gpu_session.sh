@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# The trainer's GPU measurements of issue 18 in one call, for a lent GPU machine that has
+# PyTorch and CUDA but no package registry: the packed GPU tests, then the 0.5B GRPO update
+# (bench/trainer_throughput.py: Qwen2.5-0.5B's architecture, bf16 compute over float32
+# master weights, 64 x (256 + 768) tokens, packed micro-batches of 8192 tokens,
+# trainer.compile) in variants side by side on the same machine, most important first, each
+# in its own process under its own time limit:
+#
+#   new        this checkout, with a profile of one update and the places the host waits
+#   old        the code of BASE (extracted to .bench_old/ beforehand, see below)
+#   untraced   new, the varlen attention called from outside the compiled blocks
+#   budget16k  new, 16384-token micro-batches
+#   padded     new, 8 padded rows per micro-batch, whole logits
+#   unfused    new, trainer.compile compiling the head's in-place softmax passes
+#   budget12k  new, 12288-token micro-batches
+#
+# Prepare here (omegaconf is not on those machines; .whl and .bench_old are git-ignored):
+#   mkdir -p .whl && pip download --no-deps omegaconf==2.3.0 -d .whl &&
+#     pip wheel --no-deps antlr4-python3-runtime==4.9.3 -w .whl
+#   mkdir -p .bench_old && git archive BASE llamarl | tar -x -C .bench_old
+# then run `bash bench/trainer_gpu_session.sh [VARIANT ...]` there with .whl and .bench_old
+# carried (default: all of them).
+# Results: $OUT/results.jsonl (one JSON line per variant), $OUT/log.txt (everything else).
+set -u
+OUT=${OUT:-/tmp/trainer_gpu_session}
+mkdir -p "$OUT"
+LOG=$OUT/log.txt
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+ROOT=$PWD
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+{
+  date
+  nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+} 2>&1 | tee -a "$LOG"
+
+echo "== GPU tests (packed = padded on CUDA)" | tee -a "$LOG"
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k packed 2>&1 \
+  | tail -15 | tee -a "$LOG"
+
+COMMON=(--model 0.5b --dtype bfloat16 --seqs 64 --prompt-len 256 --completion-len 768
+        --repeats 5 --peak-tflops 989 --set trainer.compile=true)
+
+variant() {  # label, seconds, PYTHONPATH prefix, bench arguments...
+  local label=$1 limit=$2 prefix=$3
+  shift 3
+  echo "== $label: $*" | tee -a "$LOG"
+  local t0=$SECONDS
+  PYTHONPATH=$prefix$PYTHONPATH TORCH_LOGS=graph_breaks,recompiles timeout "$limit" \
+    torchrun --standalone --nproc-per-node 1 bench/trainer_throughput.py "${COMMON[@]}" \
+    --label "$label" "$@" >"$OUT/$label.out" 2>"$OUT/$label.err"
+  local rc=$?
+  echo "rc $rc in $((SECONDS - t0)) s; graph-break lines: $(grep -c -i 'graph break' \
+    "$OUT/$label.err"), recompile lines: $(grep -c -i 'recompil' "$OUT/$label.err")" \
+    | tee -a "$LOG"
+  python3 - "$label" "$OUT/$label.out" >>"$OUT/results.jsonl" <<'EOF'
+import json, sys
+text = open(sys.argv[2]).read()
+try:
+    run = json.loads(text[text.index("{"):])
+    r = run["results"]["grpo"]
+    print(json.dumps({"label": sys.argv[1], "device": run["device"], **r}))
+except Exception as e:
+    print(json.dumps({"label": sys.argv[1], "error": repr(e)}))
+EOF
+  tail -1 "$OUT/results.jsonl" | cut -c1-400 | tee -a "$LOG"
+  grep -v -i "graph break\|recompil\|^\s*$" "$OUT/$label.err" | tail -40 >>"$LOG"
+  if [ "$label" = new ]; then mv "$OUT/$label.err" "$OUT/new_stderr.txt"; fi
+  rm -f "$OUT/$label.out" "$OUT/$label.err"
+}
+
+# variant name -> its arguments (beyond COMMON)
+declare -A ARGS=(
+  [new]="--variant packed --budget 8192 --profile --sync-debug"
+  [old]="--variant packed --budget 8192"
+  [unfused]="--variant packed --budget 8192 --unfused-head"
+  [untraced]="--variant packed --budget 8192 --no-trace-varlen"
+  [budget12k]="--variant packed --budget 12288"
+  [budget16k]="--variant packed --budget 16384"
+  [padded]="--variant padded --micro-batch 8"
+)
+NAMES=("$@")
+[ ${#NAMES[@]} -gt 0 ] || NAMES=(new old unfused untraced budget12k budget16k padded)
+for name in "${NAMES[@]}"; do
+  prefix=""
+  [ "$name" = old ] && prefix="$ROOT/.bench_old:"
+  # shellcheck disable=SC2086
+  variant "$name" 150 "$prefix" ${ARGS[$name]}
+done
+
+echo "== summary" | tee -a "$LOG"
+python3 - "$OUT/results.jsonl" <<'EOF' 2>&1 | tee -a "$LOG"
+import json, sys
+print(f"{'variant':10} {'update s':>9} {'tok/s':>8} {'MFU':>6} {'peak GiB':>8}  device busy / wall")
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if "error" in r:
+        print(f"{r['label']:10} failed: {r['error']}")
+        continue
+    p = r.get("profile") or {}
+    busy = f"{p['device_busy_s']:.3f} / {p['profiled_wall_s']:.3f}" if "device_busy_s" in p else ""
+    mfu, peak = r.get("mfu") or 0.0, r.get("peak_mem_gib") or 0.0
+    print(f"{r['label']:10} {r['update_s']:9.3f} {r['trained_tokens_per_s']:8.0f} "
+          f"{mfu:6.1%} {peak:8.2f}  {busy}")
+EOF
