@@ -32,8 +32,9 @@ Per mode, over the steps after --warmup:
 * generated tokens/s: tokens generated / the total step time;
 * engine busy share: batch mode: generate_s / the step time (the engine is busy from the first
   to the last token of a batch, waiting for its longest sample); continuous mode: the share of
-  the time it spent in engine steps (engine_busy_share, weighted by each batch's wall time),
-  with the shares it spent loading weights (or blocked until the weights a batch needs) and
+  the time it spent in engine calls, stepping and adding requests (engine_busy_share,
+  weighted by each batch's wall time), with the shares it spent loading weights (or blocked
+  until the weights a batch needs) and
   held back with nothing admissible (engine_load_share, engine_held_share), and, of the busy
   share, stepping while a batch's worth of groups was complete but a running group was due in
   it at its staleness deadline (engine_due_share: the long tail that k does not let the
@@ -41,7 +42,11 @@ Per mode, over the steps after --warmup:
 * trainer wait: the trainer's mean wait for the next batch (wait_s).
 
     python bench/continuous_generation.py [--steps 30] [--warmup 5] [--workloads tiny deep]
-                                          [key=value ...]
+                                          [--repeats 1] [key=value ...]
+
+Single invocations vary by up to 15-30% here (batch mode at k = 1 on `deep` has given
+0.92-1.43 steps/s): --repeats N interleaves N invocations of every mode and reports medians,
+the ratios as the median of each repeat's ratio.
 """
 
 from __future__ import annotations
@@ -146,21 +151,34 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5, help="steps left out of the totals")
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="invocations of every mode, interleaved (mode by mode, repeat by "
+                         "repeat); the ratios are the medians of the repeats' ratios")
     ap.add_argument("--out", default="bench/results/continuous_generation.json")
     args, extra = ap.parse_known_args()
-    result = {"common": COMMON + extra, "steps": args.steps, "warmup": args.warmup}
+    result = {"common": COMMON + extra, "steps": args.steps, "warmup": args.warmup,
+              "repeats": args.repeats}
     for workload in args.workloads:
         layers, overrides = WORKLOADS[workload]
         model = random_model(layers)
         res = result[workload] = {"overrides": overrides, "layers": layers}
-        for name, (mode, k, mode_overrides) in MODES.items():
-            rows = run(model, mode, k, args.steps, COMMON + overrides + mode_overrides + extra)
-            res[name] = summary(rows[args.warmup:], mode)
-            print(workload, name, json.dumps({a: round(v, 4) for a, v in res[name].items()}),
-                  flush=True)
+        repeats: dict[str, list[dict]] = {name: [] for name in MODES}
+        for _ in range(args.repeats):
+            for name, (mode, k, mode_overrides) in MODES.items():
+                rows = run(model, mode, k, args.steps,
+                           COMMON + overrides + mode_overrides + extra)
+                repeats[name].append(summary(rows[args.warmup:], mode))
+                print(workload, name, json.dumps({a: round(v, 4)
+                                                  for a, v in repeats[name][-1].items()}),
+                      flush=True)
+        for name, runs in repeats.items():  # the median of each figure over the repeats
+            res[name] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+            if args.repeats > 1:
+                res[name]["steps_per_s_repeats"] = [r["steps_per_s"] for r in runs]
         for name in [m for m in MODES if m.startswith("continuous")]:
-            res[f"{name}_over_batch_k1"] = (res[name]["steps_per_s"]
-                                            / res["batch_k1"]["steps_per_s"])
+            res[f"{name}_over_batch_k1"] = statistics.median(
+                c["steps_per_s"] / b["steps_per_s"]
+                for c, b in zip(repeats[name], repeats["batch_k1"]))
     print(json.dumps(result, indent=1))
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 

@@ -278,7 +278,8 @@ class SyncConfig:
     # instead of sampling from weights max_staleness versions old. The trainer has work queued
     # meanwhile, so nothing idles in steady state; max_staleness stays the bound for batches
     # made while the buffer is empty (a slow generator). false: always run max_staleness ahead.
-    # In continuous mode the same rule decides when a new prompt group may start.
+    # In continuous mode the same rule decides when a new prompt group may start, while the
+    # engine keeps ahead of the trainer (generator/continuous.py: AheadOfTrainer).
     prefer_fresh: bool = True
     # Bitwise-reproducible asynchronous runs: batch b is always sampled from the first version
     # >= b - max_staleness, however fast each side runs (no fresher weights taken early, no

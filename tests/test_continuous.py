@@ -49,6 +49,25 @@ def test_a_group_starts_from_fresh_weights_while_the_trainer_has_work():
     assert admits(8, 10, 2, 2, True, queued)
 
 
+def test_an_engine_behind_the_trainer_stops_holding_back_for_k_batches():
+    """AheadOfTrainer (prefer_fresh in continuous mode): once a batch ships and finds none of
+    the engine's queued (the trainer was about to wait for it), the engine samples at the
+    bound for its next k batches; k batches shipped ahead of the trainer, it holds back
+    again."""
+    from llamarl.generator.continuous import AheadOfTrainer
+
+    ahead = AheadOfTrainer(k=2)
+    assert ahead.keeps()  # from the start
+    ahead.shipped(found_queued=True)
+    assert ahead.keeps()
+    ahead.shipped(found_queued=False)
+    assert not ahead.keeps()
+    ahead.shipped(found_queued=True)
+    assert not ahead.keeps()
+    ahead.shipped(found_queued=True)
+    assert ahead.keeps()
+
+
 def test_a_batch_ships_complete_groups_oldest_first_without_leaving_one_past_its_deadline():
     """pick_batch: complete groups ship in completion order among those of an age (a short
     response overtakes a long one), but never so that a running group, or the groups older
