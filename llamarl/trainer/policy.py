@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from llamarl.buffer.record import segment_ids, segment_positions
+from llamarl.trainer import varlen_attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -14,10 +15,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def load_policy(path: str, dtype: str, attn_implementation: str = "sdpa") -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    from llamarl.trainer.varlen_attention import implementation
-
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=DTYPES[dtype], attn_implementation=implementation(attn_implementation))
+        path, dtype=DTYPES[dtype],
+        attn_implementation=varlen_attention.implementation(attn_implementation))
     model.config.use_cache = False
     return model
 
@@ -30,9 +30,9 @@ class PackedRows:
     src[k] scores the same token as padded position (dst_row[k], dst_col[k]), [S] each; the
     last position of each sequence (it would score the next sequence's first token) has
     none. bounds: [N + 1] int64 on the CPU for the N sequences, the start of each and L
-    (cumulative lengths): the attention reads them without waiting for the device (reading the
+    (cumulative lengths), for the attention's per-sequence loop on the host (reading the
     boundaries off the position ids on a GPU stalled every layer). cu_seqlens: the same
-    boundaries as int32 on the model's device, copied once per micro-batch for the varlen
+    boundaries as int32, moved with the micro-batch to the model's device, for the varlen
     attention kernel (built in every layer from `bounds`, the copy made the host wait for
     the device 24 times per forward of a 24-layer model)."""
 
@@ -141,15 +141,14 @@ def model_inputs(batch: TokenBatch) -> dict[str, torch.Tensor]:
     use_cache=False). The sequence boundaries reach the attention (varlen_attention) through
     Hugging Face's attention keyword arguments: `llamarl_cu_seqlens` on the model's device
     where torch's varlen flash attention runs, `llamarl_bounds` (CPU) elsewhere."""
-    from llamarl.trainer import varlen_attention
-
     if batch.packed is None:
         return {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
     p = batch.packed
     out = {"input_ids": p.input_ids, "position_ids": p.position_ids, "use_cache": False}
-    if varlen_attention.varlen_available(p.cu_seqlens.device):  # the varlen kernel runs there
+    kernel = varlen_attention.varlen_available(p.cu_seqlens.device)
+    if kernel:
         out["llamarl_cu_seqlens"] = p.cu_seqlens
-    if "llamarl_cu_seqlens" not in out or not varlen_attention.TRACE_VARLEN:
+    if not (kernel and varlen_attention.TRACE_VARLEN):
         # Only where the attention reads them on the host: FSDP2's root module moves every
         # tensor argument to its device, blocking (torch.distributed.utils._to_kwargs), so on
         # a GPU these arrive as a GPU tensor whose read waits for the device in every layer
