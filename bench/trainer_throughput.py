@@ -179,6 +179,22 @@ def sync_sites(update) -> dict[str, int]:
     return dict(sites.most_common())
 
 
+def set_torch_config(item: str) -> None:
+    """'torch._inductor.config.cpp_wrapper=True' -> setattr(torch._inductor.config,
+    'cpp_wrapper', True): a torch knob tried in a bench run without a code change."""
+    import ast
+    import importlib
+
+    target, _, value = item.partition("=")
+    module, _, name = target.rpartition(".")
+    if not module or not value:
+        sys.exit(f"--torch-config {item!r}: expected MODULE.NAME=VALUE")
+    config = importlib.import_module(module)
+    if not hasattr(config, name):
+        sys.exit(f"--torch-config {item!r}: {module} has no {name}")
+    setattr(config, name, ast.literal_eval(value))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", choices=["tiny", "24m", "32k", "0.5b"], default="tiny")
@@ -209,6 +225,9 @@ def main() -> None:
     p.add_argument("--unfused-head", action="store_true",
                    help="trainer.compile compiles the head's in-place softmax passes")
     p.add_argument("--label", default="", help="a name for this run in the output")
+    p.add_argument("--torch-config", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                   help="set a torch config value before anything compiles, e.g. "
+                        "torch._inductor.config.cpp_wrapper=True (repeatable)")
     p.add_argument("--variant", choices=["both_algorithms", "padded", "packed"],
                    default="both_algorithms", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -237,6 +256,8 @@ def main() -> None:
     from llamarl.trainer import policy as policy_mod
     from llamarl.trainer import varlen_attention
 
+    for item in args.torch_config:
+        set_torch_config(item)
     if args.no_trace_varlen:
         varlen_attention.TRACE_VARLEN = False
     if args.unfused_head:
@@ -265,7 +286,8 @@ def main() -> None:
         vocab = model.config.vocab_size
         apply_fsdp(model, mesh, DTYPES[args.dtype],
                    gradient_checkpointing=args.gradient_checkpointing,
-                   compile=cfg.trainer.compile)
+                   compile=cfg.trainer.compile,
+                   activation_memory_budget=cfg.trainer.activation_memory_budget)
         trainer = PolicyTrainer(model, cfg.trainer, 100, world, device)
         critic = build_critic(cfg, path, mesh, device, 100, world) if alg == "ppo" else None
         reference = load_reference(cfg, path, mesh, device)

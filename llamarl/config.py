@@ -107,6 +107,12 @@ class TrainerConfig:
     # torch.compile each decoder block (policy and critic): fuses the elementwise work between
     # the matrix products; for GPUs (measured in docs/measured.md). The first steps compile.
     compile: bool = False
+    # With trainer.compile: the share of the compiled blocks' activations that backward may
+    # keep (torch's activation_memory_budget); below 1 the compiler recomputes the cheapest of
+    # the rest in backward (pointwise work before matrix products). 1 = torch's default. On a
+    # GPU, 0.8 with 16384-token packed micro-batches measured the fastest 0.5B update under
+    # 20 GiB (docs/trainer.md).
+    activation_memory_budget: float = 1.0
     # Master weights, gradients and optimizer state of the policy and the critic. float32 keeps
     # small updates (lr 1e-6 on weights ~1e-2) that bfloat16's 8-bit mantissa would round away.
     master_dtype: str = "float32"  # float32 | bfloat16
@@ -413,6 +419,13 @@ def validate(cfg: Config) -> Config:
                        "critic.value_clip": cfg.critic.value_clip}.items():
         if value < 0:
             _fail(key, value, "must be >= 0")
+    budget = cfg.trainer.activation_memory_budget
+    if not 0 < budget <= 1:
+        _fail("trainer.activation_memory_budget", budget,
+              "must be in (0, 1]: the share of activations backward may keep (1 = all)")
+    if budget < 1 and not cfg.trainer.compile:
+        _fail("trainer.activation_memory_budget", budget,
+              "only compiled blocks read it: set trainer.compile: true, or leave it at 1")
     if cfg.run.log_every <= 0:
         _fail("run.log_every", cfg.run.log_every, "must be > 0")
     if cfg.generator.temperature <= 0:

@@ -2,6 +2,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from llamarl.config import Config, load_config
 
@@ -105,6 +106,10 @@ def test_cli_overrides_beat_yaml(tmp_path):
     (["generator.dynamic_sampling=true", "generator.samples_per_prompt=1",
       "algorithm.name=reinforce_pp"], ["generator.dynamic_sampling", "samples_per_prompt"]),
     (["run.steps"], ["key=value"]),
+    (["trainer.compile=true", "trainer.activation_memory_budget=0"],
+     ["trainer.activation_memory_budget", "(0, 1]"]),
+    (["trainer.activation_memory_budget=0.8"],
+     ["trainer.activation_memory_budget", "trainer.compile: true"]),
 ])
 def test_bad_values_are_one_line_errors_naming_the_key(override, words):
     with pytest.raises(ValueError) as e:
@@ -146,3 +151,23 @@ def test_recipe_that_is_a_list_or_a_directory_is_a_one_line_error(tmp_path):
         load_config(listed)
     with pytest.raises(ValueError, match="is a directory: pass the path of a YAML file"):
         load_config(tmp_path)
+
+
+def test_activation_memory_budget_reaches_the_compiler(monkeypatch):
+    """apply_fsdp hands trainer.activation_memory_budget to torch's partitioner before the
+    blocks compile (lazily, at their first forward: nothing compiles here; FSDP2 itself is
+    tested on real ranks in test_fsdp_step.py)."""
+    import torch._functorch.config as functorch_config
+
+    from llamarl.parallel import fsdp
+    from llamarl.tiny.model import build_model
+    from llamarl.trainer import linear_logprobs
+
+    monkeypatch.setattr(fsdp, "fully_shard", lambda module, **kwargs: module)
+    monkeypatch.setattr(functorch_config, "activation_memory_budget", 1.0)
+    model, _ = build_model(seed=0)
+    try:
+        fsdp.apply_fsdp(model, None, torch.float32, compile=True, activation_memory_budget=0.6)
+        assert functorch_config.activation_memory_budget == 0.6
+    finally:
+        linear_logprobs.use_compiled(False)

@@ -103,15 +103,18 @@ def test_tp2_engine_weight_parity_over_nccl(tmp_path, tiny_model_dir):
 
 
 @pytest.mark.skipif(gpus() < 1, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("compile", ["", "head", "blocks"],
-                         ids=["eager", "compiled_head", "compiled_blocks"])
+@pytest.mark.parametrize("compile", ["", "head", "blocks", "blocks_budget"],
+                         ids=["eager", "compiled_head", "compiled_blocks",
+                              "compiled_blocks_memory_budget"])
 def test_packed_logprobs_on_cuda_match_padded(compile):
     """A packed micro-batch on CUDA (torch's varlen flash attention with grouped KV heads, the
     chunked head, and as trainer.compile does it the head's compiled softmax passes, then
     also the decoder blocks compiled with the varlen attention traced into them) gives the
     padded batch's logprobs and gradients (bfloat16 compute: loose tolerances), also for a
     second packing of other lengths (the compiled blocks must not be specialised to the
-    first)."""
+    first). compiled_blocks_memory_budget: the same, with trainer.activation_memory_budget
+    0.5 (backward recomputes part of each block's forward)."""
+    import torch._functorch.config as functorch_config
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from llamarl.trainer import linear_logprobs
@@ -127,7 +130,10 @@ def test_packed_logprobs_on_cuda_match_padded(compile):
     model.config.use_cache = False
     B, T = 4, 300
     ids = torch.randint(0, 5000, (B, T))
-    if compile == "blocks":
+    budget = functorch_config.activation_memory_budget
+    if compile == "blocks_budget":
+        functorch_config.activation_memory_budget = 0.5
+    if compile.startswith("blocks"):
         for layer in model.model.layers:
             layer.compile(dynamic=True)
     linear_logprobs.use_compiled(bool(compile))
@@ -151,3 +157,4 @@ def test_packed_logprobs_on_cuda_match_padded(compile):
                 assert torch.allclose(x, y, rtol=0.1, atol=0.05 * float(x.abs().max()) + 1e-3)
     finally:
         linear_logprobs.use_compiled(False)
+        functorch_config.activation_memory_budget = budget

@@ -20,19 +20,27 @@ def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype,
                reduce_dtype: torch.dtype = torch.float32,
-               gradient_checkpointing: bool = False, compile: bool = False) -> torch.nn.Module:
+               gradient_checkpointing: bool = False, compile: bool = False,
+               activation_memory_budget: float = 1.0) -> torch.nn.Module:
     """Shard `model` in place over `mesh` (1-D, the trainer data-parallel ranks); with
     `gradient_checkpointing`, each block's activations are recomputed in backward (HF's
     non-reentrant checkpointing, which composes with FSDP2's hooks); with `compile`, each
     block's forward is compiled by torch.compile before it is sharded (torchtitan's order:
     FSDP2's hooks stay outside the compiled region), which fuses the norms', rotary
-    embedding's and MLP's elementwise work; sequence lengths vary, so shapes are dynamic."""
+    embedding's and MLP's elementwise work; sequence lengths vary, so shapes are dynamic.
+    `activation_memory_budget` < 1 (with `compile`) has the compiler's partitioner keep at most
+    that share of each block's activations for backward and recompute the cheapest of the
+    rest (torch._functorch.config.activation_memory_budget: process-wide, read when a block
+    compiles; every model this process compiles is a trainer model)."""
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     blocks = decoder_blocks(model)
     if compile:
+        import torch._functorch.config as functorch_config
+
         from llamarl.trainer import linear_logprobs
+        functorch_config.activation_memory_budget = activation_memory_budget
         linear_logprobs.use_compiled(True)  # the LM head's softmax passes too
     for i, block in enumerate(blocks):
         if compile:

@@ -72,7 +72,8 @@ def build_critic(cfg: Config, policy_path: str, mesh, device: torch.device,
                         cfg.model.attn_implementation).to(device)
     apply_fsdp(model, mesh, param_dtype=DTYPES[cfg.model.dtype],
                gradient_checkpointing=cfg.trainer.gradient_checkpointing,
-               compile=cfg.trainer.compile)
+               compile=cfg.trainer.compile,
+               activation_memory_budget=cfg.trainer.activation_memory_budget)
     c = cfg.critic
     tcfg = dataclasses.replace(cfg.trainer, lr=c.lr, weight_decay=c.weight_decay,
                                warmup_steps=c.warmup_steps, grad_clip=c.grad_clip)

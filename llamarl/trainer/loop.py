@@ -147,7 +147,8 @@ def run_trainer(rt: Runtime) -> None:
     check_tokenizer(tokenizer, model_path)
     apply_fsdp(model, mesh, param_dtype=DTYPES[cfg.model.dtype],
                gradient_checkpointing=cfg.trainer.gradient_checkpointing,
-               compile=cfg.trainer.compile)
+               compile=cfg.trainer.compile,
+               activation_memory_budget=cfg.trainer.activation_memory_budget)
     opt_steps = cfg.run.steps * cfg.algorithm.epochs * cfg.algorithm.mini_batches
     trainer = PolicyTrainer(model, cfg.trainer, opt_steps, T, rt.device,
                             cfg.generator.temperature, cfg.algorithm.entropy_coef > 0)
