@@ -12,7 +12,9 @@ import pytest
 from llamarl.buffer.shm import segment_prefix
 from llamarl.generator.cpu_fixes import (
     PREFIX_ENV,
+    _count_greater_or_equal,
     cpu_shm_prefix,
+    eager_logprob_ranks,
     unique_cpu_shm_names,
     unlink_cpu_shm,
 )
@@ -55,3 +57,21 @@ def test_unlink_removes_only_that_engines_segments():
     finally:
         mine.unlink(missing_ok=True)
         other.unlink(missing_ok=True)
+
+
+def test_sampled_token_ranks_are_counted_without_compiling(monkeypatch):
+    """On CPU the sampler's rank count runs eagerly (no 2.2 s compile in each engine's first
+    batch) and counts as vLLM's compiled function does."""
+    import torch
+    from vllm.v1.sample import ops, sampler
+
+    original = ops.logprobs.batched_count_greater_than
+    monkeypatch.setattr(sampler, "batched_count_greater_than", original)
+    eager_logprob_ranks()
+    assert sampler.batched_count_greater_than is _count_greater_or_equal
+    x = torch.randn(5, 40).log_softmax(-1)
+    values = x.gather(-1, torch.tensor([[3], [0], [39], [7], [7]]))
+    uncompiled = getattr(original, "_torchdynamo_orig_callable", original)
+    assert torch.equal(_count_greater_or_equal(x, values), uncompiled(x, values))
+    assert torch.equal(_count_greater_or_equal(x, values),
+                       (x[:, None, :] >= values[:, :, None]).sum(-1).flatten())

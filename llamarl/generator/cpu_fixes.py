@@ -12,6 +12,12 @@ tp > 1 engine on a host asks for the same segment, and the second to start fails
 "create shm in SHMManager failed. errno: 17" (EEXIST): two such engines on one host only
 started when their set-ups did not overlap. `unique_cpu_shm_names` starts the name with the
 run's segment prefix and the engine's own rendezvous port (its private world, engine.py).
+
+The sampler counts each sampled token's rank in its row of logprobs with a function it
+torch.compiles (`batched_count_greater_than`, with inductor on CPU): the first generate call of
+every engine traced and compiled it, 2.2 s of the tiny engine's first batch on the 2-core CPU
+(every launch, the trainers waiting), for a count llamarl never reads. `eager_logprob_ranks`
+runs the same expression eagerly.
 """
 
 from __future__ import annotations
@@ -27,6 +33,23 @@ def disable_onednn_prepack() -> None:
         return
     if hasattr(ops, "_supports_onednn"):
         ops._supports_onednn = False
+
+
+def _count_greater_or_equal(x, values):
+    """vLLM's batched_count_greater_than, uncompiled: x [B, V], values [B, 1] -> [B], the
+    number of entries of each row of x >= its value (the sampled token's 1-based rank)."""
+    return (x >= values).sum(-1)
+
+
+def eager_logprob_ranks() -> None:
+    """Count the sampled tokens' ranks without torch.compile (module docstring). It makes a
+    [B, V] boolean temporary per step, which the compiled kernel avoids: B x V bytes."""
+    try:
+        from vllm.v1.sample import sampler
+    except ImportError:
+        return
+    if hasattr(sampler, "batched_count_greater_than"):
+        sampler.batched_count_greater_than = _count_greater_or_equal
 
 
 PREFIX_ENV = "LLAMARL_VLLM_SHM_PREFIX"  # set by engine.prepare_environment

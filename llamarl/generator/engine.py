@@ -23,7 +23,12 @@ import torch
 
 from llamarl.config import GeneratorConfig
 from llamarl.errors import first_line
-from llamarl.generator.cpu_fixes import PREFIX_ENV, disable_onednn_prepack, unique_cpu_shm_names
+from llamarl.generator.cpu_fixes import (
+    PREFIX_ENV,
+    disable_onednn_prepack,
+    eager_logprob_ranks,
+    unique_cpu_shm_names,
+)
 from llamarl.generator.kv_cache import (
     DEFAULT_BLOCK,
     GIB,
@@ -154,6 +159,7 @@ class Engine:
         prepare_environment(world, on_cpu)
         if on_cpu:
             disable_onednn_prepack()
+            eager_logprob_ranks()
             if world is not None:
                 unique_cpu_shm_names()
         from vllm import LLM
