@@ -18,6 +18,14 @@ def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers)
 
 
+def trainer_options(trainer) -> dict:
+    """apply_fsdp's keyword arguments from the recipe's `trainer` section (a TrainerConfig),
+    for the models the RL update trains: the policy and the critic."""
+    return {"gradient_checkpointing": trainer.gradient_checkpointing,
+            "compile": trainer.compile,
+            "activation_memory_budget": trainer.activation_memory_budget}
+
+
 def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype,
                reduce_dtype: torch.dtype = torch.float32,
                gradient_checkpointing: bool = False, compile: bool = False,

@@ -17,7 +17,7 @@ import warnings
 import torch
 
 from llamarl.config import Config
-from llamarl.parallel.fsdp import apply_fsdp
+from llamarl.parallel.fsdp import apply_fsdp, trainer_options
 from llamarl.trainer.policy import DTYPES, TokenBatch, model_inputs, to_padded
 from llamarl.trainer.step import PolicyTrainer
 
@@ -70,10 +70,7 @@ def build_critic(cfg: Config, policy_path: str, mesh, device: torch.device,
     """The critic's trainer (model + AdamW + schedule), sharded on the trainer mesh."""
     model = load_critic(cfg.critic.path or policy_path, cfg.trainer.master_dtype,
                         cfg.model.attn_implementation).to(device)
-    apply_fsdp(model, mesh, param_dtype=DTYPES[cfg.model.dtype],
-               gradient_checkpointing=cfg.trainer.gradient_checkpointing,
-               compile=cfg.trainer.compile,
-               activation_memory_budget=cfg.trainer.activation_memory_budget)
+    apply_fsdp(model, mesh, param_dtype=DTYPES[cfg.model.dtype], **trainer_options(cfg.trainer))
     c = cfg.critic
     tcfg = dataclasses.replace(cfg.trainer, lr=c.lr, weight_decay=c.weight_decay,
                                warmup_steps=c.warmup_steps, grad_clip=c.grad_clip)

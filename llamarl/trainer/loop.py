@@ -31,7 +31,7 @@ from llamarl.buffer.record import RolloutBatch
 from llamarl.launch.cores import threads_for
 from llamarl.launch.roster import Roster
 from llamarl.launch.runtime import Runtime, log, survives_engine_loss
-from llamarl.parallel.fsdp import apply_fsdp
+from llamarl.parallel.fsdp import apply_fsdp, trainer_options
 from llamarl.parallel.weight_plan import metas_to_json
 from llamarl.parallel.weight_sender import WeightSender
 from llamarl.parallel.weight_sync import open_weight_sync
@@ -145,10 +145,7 @@ def run_trainer(rt: Runtime) -> None:
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     check_tokenizer(tokenizer, model_path)
-    apply_fsdp(model, mesh, param_dtype=DTYPES[cfg.model.dtype],
-               gradient_checkpointing=cfg.trainer.gradient_checkpointing,
-               compile=cfg.trainer.compile,
-               activation_memory_budget=cfg.trainer.activation_memory_budget)
+    apply_fsdp(model, mesh, param_dtype=DTYPES[cfg.model.dtype], **trainer_options(cfg.trainer))
     opt_steps = cfg.run.steps * cfg.algorithm.epochs * cfg.algorithm.mini_batches
     trainer = PolicyTrainer(model, cfg.trainer, opt_steps, T, rt.device,
                             cfg.generator.temperature, cfg.algorithm.entropy_coef > 0)
