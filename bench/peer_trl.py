@@ -10,8 +10,9 @@ tiny Qwen2, string reversal, 64 prompts x 8 samples, lr 1e-3 with 2 warm-up step
 1, token-mean loss, PPO clip 0.2 against the behaviour policy, no KL) for --steps steps, held-out
 reward (128 prompts never trained on x 4 samples at T = 1) every --eval-every steps, for:
   * llamarl on-policy (the default recipe as `make run` runs it),
-  * optionally another llamarl recipe (--recommended, e.g. recipes/tiny_grpo_async_cpu.yaml:
-    1 trainer + 1 engine, one step off-policy with AIPO),
+  * the recipe recommended on a small CPU machine (--recommended; default
+    recipes/tiny_grpo_2engines_cpu.yaml: the same run with 1 trainer rank + 2 engines; "" for
+    none),
   * TRL GRPOTrainer with the same settings (loss_type dapo = token mean over the batch,
     scale_rewards group, beta 0, epsilon 0.2, one optimizer step per 64 x 8 batch).
 Per run: median step time, training time (step times summed, evaluations excluded; with them
@@ -298,10 +299,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--gen-steps", type=int, default=3)
-    ap.add_argument("--recommended", default="",
-                    help="another llamarl recipe to run beside the default, e.g. "
-                         "recipes/tiny_grpo_async_cpu.yaml (the default recipe is the one "
-                         "recommended on a small CPU machine)")
+    ap.add_argument("--recommended", default="recipes/tiny_grpo_2engines_cpu.yaml",
+                    help="another llamarl recipe to run beside the default: the one "
+                         "recommended on a small CPU machine (\"\" for none)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/peer_trl.json"))
     args = ap.parse_args()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
