@@ -21,7 +21,8 @@ in brackets) and steps to held-out reward 0.6 and 0.7. Medians over seeds, and t
 Workload `gen` (generation-heavy): a 24M-parameter Qwen2 built in code (hidden 512, 8 layers,
 8 heads, 2 KV heads, intermediate 1536) with a 512-symbol vocabulary (a random policy then
 rarely samples EOS, so responses run to 64-128 tokens), 16 prompts x 8 samples of up to 128
-tokens per step. Reports generated tokens/s, trained tokens/s and step time for both trainers.
+tokens per step. Reports generated tokens/s, trained tokens/s and step time for the default
+recipe, the recommended one and TRL.
 
 TRL is a bench dependency only (`make bench` installs it), never a runtime one. Results go to
 --out (JSON) and are printed as a table.
@@ -275,20 +276,25 @@ def gen_workload(args, env) -> dict:
                  "data.eval_prompts=8", f"generator.prompts_per_step={prompts}",
                  f"generator.max_new_tokens={new}", "generator.max_model_len=160",
                  "trainer.micro_batch_size=32", "trainer.lr=1e-5"]
+    result = {}
     with tempfile.TemporaryDirectory() as tmp:
-        run = run_llamarl(DEFAULT, Path(tmp) / "llamarl", overrides, env)
-        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()][1:]
-        ours = {"median_step_s": med([r["step_time_s"] for r in rows]),
+        for name, recipe in (("llamarl", DEFAULT), ("recommended", args.recommended)):
+            if not recipe:
+                continue
+            run = run_llamarl(recipe, Path(tmp) / name, overrides, env)
+            rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()][1:]
+            result[name] = {
+                "median_step_s": med([r["step_time_s"] for r in rows]),
                 "gen_tok_s": med([r["tokens_generated"] / r["generate_s"] for r in rows]),
                 "train_tok_s": med([r["tokens_generated"] / r["train_s"] for r in rows]),
                 "tokens_per_step": med([r["tokens_generated"] for r in rows])}
-        print(f"gen llamarl: {json.dumps(ours)}", flush=True)
+            print(f"gen {name}: {json.dumps(result[name])}", flush=True)
         from llamarl.config import DataConfig
         trl = run_trl(model, 0, args.gen_steps, 0, prompts, samples, new, 1e-5, 0,
                       Path(tmp) / "trl", DataConfig(eval_prompts=8))
         trl.pop("curve", None)
         print(f"gen trl: {json.dumps(trl)}", flush=True)
-    return {"llamarl": ours, "trl": trl, "model": "Qwen2 24M, vocab 512",
+    return {**result, "trl": trl, "model": "Qwen2 24M, vocab 512",
             "batch": f"{prompts} prompts x {samples} samples, up to {new} new tokens"}
 
 
