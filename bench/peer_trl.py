@@ -210,6 +210,12 @@ def fmt(x, nd=2):
     return "-" if x is None else f"{x:.{nd}f}" if isinstance(x, float) else str(x)
 
 
+def llamarl_recipes(args) -> list[tuple[str, str]]:
+    """(name, recipe) of the llamarl runs of a workload: the default, then --recommended."""
+    return [("llamarl", DEFAULT)] + ([("recommended", args.recommended)]
+                                     if args.recommended else [])
+
+
 def tiny_workload(args, env) -> dict:
     from llamarl.config import load_config
     from llamarl.tiny.warmstart import warm_start_dir
@@ -219,9 +225,7 @@ def tiny_workload(args, env) -> dict:
     for seed in args.seeds:
         with tempfile.TemporaryDirectory() as tmp:
             tmp = Path(tmp)
-            for name, recipe in (("llamarl", DEFAULT), ("recommended", args.recommended)):
-                if name == "recommended" and not recipe:
-                    continue
+            for name, recipe in llamarl_recipes(args):
                 t0 = time.time()
                 run = run_llamarl(recipe, tmp / name, [*common, f"run.seed={seed}"], env)
                 results[name].append(llamarl_summary(run))
@@ -278,9 +282,7 @@ def gen_workload(args, env) -> dict:
                  "trainer.micro_batch_size=32", "trainer.lr=1e-5"]
     result = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, recipe in (("llamarl", DEFAULT), ("recommended", args.recommended)):
-            if not recipe:
-                continue
+        for name, recipe in llamarl_recipes(args):
             run = run_llamarl(recipe, Path(tmp) / name, overrides, env)
             rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()][1:]
             result[name] = {
