@@ -17,6 +17,9 @@
 #              blocks keep at most 80% of their activations for backward)
 #   amb07_16k, amb06_16k, amb05_16k, amb07_20k  other budgets and micro-batch sizes
 #   plain      new without the profile
+#   r16        the 0.5B GPU recipe's update (16384-token micro-batches, budget 0.8), profiled
+#   r16_rowbound  r16 with the varlen kernel told the row's length as its longest sequence
+#   amb09_16k, nob16k (no budget), amb07_32k, amb06_32k  around the recipe's settings
 # (Inductor's C++ wrapper, tried with --torch-config torch._inductor.config.cpp_wrapper=True,
 # does not compile the varlen attention op in torch 2.11.)
 #
@@ -45,7 +48,7 @@ export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 } 2>&1 | tee -a "$LOG"
 
 [ -n "${NO_TESTS:-}" ] || echo "== GPU tests (packed = padded on CUDA)" | tee -a "$LOG"
-[ -n "${NO_TESTS:-}" ] || timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k packed 2>&1 \
+[ -n "${NO_TESTS:-}" ] || timeout "${TEST_LIMIT:-120}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k packed 2>&1 \
   | tail -15 | tee -a "$LOG"
 
 COMMON=(--model 0.5b --dtype bfloat16 --seqs 64 --prompt-len 256 --completion-len 768
@@ -75,7 +78,7 @@ except Exception as e:
 EOF
   tail -1 "$OUT/results.jsonl" | cut -c1-400 | tee -a "$LOG"
   grep -v -i "graph break\|recompil\|^\s*$" "$OUT/$label.err" | tail -40 >>"$LOG"
-  if [ "$label" = new ]; then mv "$OUT/$label.err" "$OUT/new_stderr.txt"; fi
+  case " $* " in *" --profile "*) mv "$OUT/$label.err" "$OUT/${label}_stderr.txt" ;; esac
   rm -f "$OUT/$label.out" "$OUT/$label.err"
 }
 
@@ -95,6 +98,12 @@ declare -A ARGS=(
   [amb08_16k]="--variant packed --budget 16384 $AMB=0.8"
   [amb07_20k]="--variant packed --budget 20480 $AMB=0.7"
   [plain]="--variant packed --budget 8192"
+  [r16]="--variant packed --budget 16384 $AMB=0.8 --profile --sync-debug"
+  [r16_rowbound]="--variant packed --budget 16384 $AMB=0.8 --row-length-bound"
+  [amb09_16k]="--variant packed --budget 16384 $AMB=0.9"
+  [nob16k]="--variant packed --budget 16384"
+  [amb07_32k]="--variant packed --budget 32768 $AMB=0.7"
+  [amb06_32k]="--variant packed --budget 32768 $AMB=0.6"
 )
 NAMES=("$@")
 [ ${#NAMES[@]} -gt 0 ] || NAMES=(new old amb08_16k budget16k budget12k padded)

@@ -222,6 +222,9 @@ def main() -> None:
                    help="list where one timed GRPO update makes the host wait for the GPU")
     p.add_argument("--no-trace-varlen", action="store_true",
                    help="call the varlen attention from outside the compiled blocks")
+    p.add_argument("--row-length-bound", action="store_true",
+                   help="tell the varlen kernel the packed row's length as its longest "
+                        "sequence (as before), not the true longest")
     p.add_argument("--unfused-head", action="store_true",
                    help="trainer.compile compiles the head's in-place softmax passes")
     p.add_argument("--label", default="", help="a name for this run in the output")
@@ -260,6 +263,8 @@ def main() -> None:
         set_torch_config(item)
     if args.no_trace_varlen:
         varlen_attention.TRACE_VARLEN = False
+    if args.row_length_bound:
+        varlen_attention.PASS_LONGEST = False
     if args.unfused_head:
         from llamarl.trainer import linear_logprobs as head
         head.FORWARD_FOR_COMPILE, head.GRAD_FOR_COMPILE = head._chunk_forward, head._chunk_grad

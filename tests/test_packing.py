@@ -59,9 +59,47 @@ def test_a_packed_row_passes_its_boundaries_where_the_attention_reads_them():
     assert torch.equal(packed.bounds, expect) and packed.bounds.device.type == "cpu"
     assert packed.cu_seqlens.dtype == torch.int32 and torch.equal(packed.cu_seqlens.long(),
                                                                   expect)
+    assert packed.longest == int(lens.max()) and packed.to(torch.device("cpu")).longest == \
+        packed.longest
     inputs = model_inputs(full.pack().to(torch.device("cpu")))
     assert inputs["llamarl_bounds"] is not None and "llamarl_cu_seqlens" not in inputs
+    assert "llamarl_max_seqlen" not in inputs
     assert torch.equal(inputs["position_ids"][0, expect[:-1]], torch.zeros(len(lens)).long())
+
+
+def test_the_varlen_kernel_is_told_the_rows_longest_sequence(monkeypatch):
+    """Where the varlen kernel runs, the model gets the device boundaries and the longest
+    sequence's length (an int: the kernel's grid is ceil(longest / 128) query blocks per
+    sequence, where the row's length launched S times that), and the attention hands both to
+    the kernel. The kernel is CUDA's: here it is replaced by a recorder, and only the
+    arguments are checked (tests/test_gpu.py runs the kernel itself against the padded
+    batch)."""
+    from llamarl.trainer import policy, varlen_attention
+    from llamarl.trainer.policy import model_inputs
+
+    _, tok = build_model(seed=0)
+    full = pad_rollouts(make_batch(3, 4, seed=2), tok.pad_token_id)
+    lens = full.attention_mask.sum(1)
+    monkeypatch.setattr(policy.varlen_attention, "varlen_available", lambda device: True)
+    inputs = model_inputs(full.pack())
+    assert inputs["llamarl_max_seqlen"] == int(lens.max()) < int(lens.sum())
+    assert "llamarl_bounds" not in inputs  # traced: the device boundaries only
+
+    calls = []
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, **causal):
+        calls.append((cu_q, max_q, max_k))
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(varlen_attention, "_VARLEN", [(kernel, {"is_causal": True})])
+    q = torch.zeros(1, 4, int(lens.sum()), 8)
+    cu = inputs["llamarl_cu_seqlens"]
+    varlen_attention._varlen_cuda(q, q[:, :2], q[:, :2], cu, 1.0, inputs["llamarl_max_seqlen"])
+    monkeypatch.setattr(varlen_attention, "PASS_LONGEST", False)
+    varlen_attention._varlen_cuda(q, q[:, :2], q[:, :2], cu, 1.0, inputs["llamarl_max_seqlen"])
+    longest, total = int(lens.max()), int(lens.sum())
+    assert [c[1:] for c in calls] == [(longest, longest), (total, total)]
+    assert calls[0][0] is cu
 
 
 def _update(extra: list[str], model_dir) -> tuple[dict, dict]:

@@ -34,7 +34,9 @@ class PackedRows:
     boundaries off the position ids on a GPU stalled every layer). cu_seqlens: the same
     boundaries as int32, moved with the micro-batch to the model's device, for the varlen
     attention kernel (built in every layer from `bounds`, the copy made the host wait for
-    the device 24 times per forward of a 24-layer model)."""
+    the device 24 times per forward of a 24-layer model). longest: the longest sequence's
+    length, a Python int read from `bounds` on the host, the kernel's bound on a sequence's
+    length (it sizes the kernel's grid)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
@@ -43,9 +45,10 @@ class PackedRows:
     dst_col: torch.Tensor
     bounds: torch.Tensor
     cu_seqlens: torch.Tensor
+    longest: int
 
     def to(self, device: torch.device) -> PackedRows:
-        return PackedRows(**{f.name: getattr(self, f.name) if f.name == "bounds"
+        return PackedRows(**{f.name: getattr(self, f.name) if f.name in ("bounds", "longest")
                              else to_device(getattr(self, f.name), device)
                              for f in fields(self)})
 
@@ -110,7 +113,7 @@ class TokenBatch:
         packed = PackedRows(self.input_ids[keep][None], pos[None],
                             torch.nonzero(scored).squeeze(1) - 1,
                             segment_ids(lens, total)[scored], pos[scored] - 1,
-                            bounds, bounds.int())
+                            bounds, bounds.int(), int(lens.max()) if len(lens) else 0)
         return replace(self, packed=packed)
 
     def padding_share(self) -> float:
@@ -140,7 +143,8 @@ def model_inputs(batch: TokenBatch) -> dict[str, torch.Tensor]:
     block-diagonal causal mask; a KV cache would hide the boundaries from it, hence
     use_cache=False). The sequence boundaries reach the attention (varlen_attention) through
     Hugging Face's attention keyword arguments: `llamarl_cu_seqlens` on the model's device
-    where torch's varlen flash attention runs, `llamarl_bounds` (CPU) elsewhere."""
+    where torch's varlen flash attention runs (with `llamarl_max_seqlen`, the longest
+    sequence), `llamarl_bounds` (CPU) elsewhere."""
     if batch.packed is None:
         return {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
     p = batch.packed
@@ -148,6 +152,7 @@ def model_inputs(batch: TokenBatch) -> dict[str, torch.Tensor]:
     kernel = varlen_attention.varlen_available(p.cu_seqlens.device)
     if kernel:
         out["llamarl_cu_seqlens"] = p.cu_seqlens
+        out["llamarl_max_seqlen"] = p.longest
     if not (kernel and varlen_attention.TRACE_VARLEN):
         # Only where the attention reads them on the host: FSDP2's root module moves every
         # tensor argument to its device, blocking (torch.distributed.utils._to_kwargs), so on

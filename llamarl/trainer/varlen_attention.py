@@ -40,13 +40,14 @@ def _sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, scalin
     given = kwargs.pop("llamarl_bounds", None)  # [S + 1] on the CPU, from TokenBatch.pack
     # the same boundaries, int32 on the device: passed only where the varlen kernel runs
     cu = kwargs.pop("llamarl_cu_seqlens", None)
+    longest = kwargs.pop("llamarl_max_seqlen", None)  # a Python int, with `cu`
     packed = pos is not None or given is not None or cu is not None
     if attention_mask is not None or not packed or query.shape[0] != 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
     p = dropout if module.training else 0.0
     if cu is not None and p == 0.0 and TRACE_VARLEN and _flash_fits(query):
-        return _varlen_cuda(query, key, value, cu, scaling), None
+        return _varlen_cuda(query, key, value, cu, scaling, longest), None
     out = _packed_attention(query, key, value, given, cu, pos, scaling, p)
     if out is None:  # one sequence (or not our packing): plain causal
         return sdpa_attention_forward(module, query, key, value, None, dropout=dropout,
@@ -55,8 +56,9 @@ def _sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, scalin
 
 
 # The CUDA varlen path reads no Python value off the boundaries (they reach the kernel as a
-# device tensor, and its longest-sequence bound is the row's length), so torch.compile traces
-# it into the decoder block's graph: no graph break in the middle of every block (each break
+# device tensor, and their longest sequence as an int that the compiled block takes as a
+# symbolic input), so torch.compile traces it into the decoder block's graph: no graph break
+# in the middle of every block (each break
 # split a block into two compiled regions, with the guards and launches of both, forward
 # and backward). False: the CUDA kernel is called from the untraced loop below instead.
 TRACE_VARLEN = True
@@ -78,7 +80,8 @@ def _packed_attention(query, key, value, given, cu, pos, scaling, p):
     if p == 0.0 and _flash_fits(query) and varlen_available(query.device):
         if cu is None or cu.device != query.device:
             cu = torch.tensor(bounds, dtype=torch.int32).to(query.device)
-        return _varlen_cuda(query, key, value, cu, scaling)
+        return _varlen_cuda(query, key, value, cu, scaling,
+                            max(b - a for a, b in zip(bounds, bounds[1:])))
     gqa = query.shape[1] != key.shape[1]
     out = torch.cat([F.scaled_dot_product_attention(
         query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=p, is_causal=True,
@@ -129,20 +132,30 @@ def _flash_fits(query) -> bool:
             and query.shape[-1] <= 256)
 
 
-def _varlen_cuda(query, key, value, cu: torch.Tensor, scaling) -> torch.Tensor:
+# Whether the varlen kernel is told the longest sequence of the row (PackedRows.longest) or,
+# as before, the row's length L (False: for the bench's side-by-side comparison).
+PASS_LONGEST = True
+
+
+def _varlen_cuda(query, key, value, cu: torch.Tensor, scaling,
+                 longest: int | None = None) -> torch.Tensor:
     """All sequences of the packed row in one flash-attention call: query [1, H, L, D],
     key/value [1, H_kv, L, D] -> [1, L, H, D], the sequence boundaries `cu` [S + 1] (int32,
-    on the device).
+    on the device), `longest` the longest sequence's length (None: L).
 
     Grouped KV heads go to the kernel as they are: flash attention reads each KV head for its
     H / H_kv query heads (repeating them cost two copies of K and V per layer and a reduction
-    of their gradients). The longest-sequence bound the kernel asks for is the row's length
-    L: it sizes the kernel's grid (blocks past a sequence's end return at once), and reading
-    the true longest would take a Python int per row, which torch.compile would guard on."""
+    of their gradients). The longest-sequence bound sizes the kernel's grid: ceil(bound / 128)
+    query blocks for each sequence and head, forward and backward. With the row's length L
+    as the bound, a row of S sequences launched S times the blocks it needs (those past a
+    sequence's end return at once, but are still scheduled: 16 sequences of 1024 tokens in a
+    16384-token row, 15 of 16 blocks empty). The true longest is a Python int computed on the
+    host when the row is packed; under torch.compile (dynamic shapes) it is a symbolic int of
+    the compiled block, not a constant guarded on."""
     varlen_attn, causal = _VARLEN[0]
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [L, H(_kv), D]
-    L = q.shape[0]
-    out = varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, L, L,
+    bound = longest if longest is not None and PASS_LONGEST else q.shape[0]
+    out = varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, bound, bound,
                       scale=scaling, **causal)
     return out[None]
 
