@@ -20,8 +20,6 @@
 #   r16        the 0.5B GPU recipe's update (16384-token micro-batches, budget 0.8), profiled
 #   r16_rowbound  r16 with the varlen kernel told the row's length as its longest sequence
 #   amb09_16k, nob16k (no budget), amb07_32k, amb06_32k  around the recipe's settings
-#   r16_dynvocab  r16 with the head's compiled passes symbolic in every dimension (as before)
-#   r16_plain  r16 without the profile
 # (Inductor's C++ wrapper, tried with --torch-config torch._inductor.config.cpp_wrapper=True,
 # does not compile the varlen attention op in torch 2.11.)
 #
@@ -101,8 +99,6 @@ declare -A ARGS=(
   [amb07_20k]="--variant packed --budget 20480 $AMB=0.7"
   [plain]="--variant packed --budget 8192"
   [r16]="--variant packed --budget 16384 $AMB=0.8 --profile --sync-debug"
-  [r16_dynvocab]="--variant packed --budget 16384 $AMB=0.8 --dynamic-vocab"
-  [r16_plain]="--variant packed --budget 16384 $AMB=0.8"
   [r16_rowbound]="--variant packed --budget 16384 $AMB=0.8 --row-length-bound"
   [amb09_16k]="--variant packed --budget 16384 $AMB=0.9"
   [nob16k]="--variant packed --budget 16384"

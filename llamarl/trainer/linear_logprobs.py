@@ -121,26 +121,10 @@ def use_compiled(on: bool) -> None:
     if on and _forward_fn is not _chunk_forward:
         return  # compiled already (each model's apply_fsdp asks again)
     if on:
-        _forward_fn = _rows_dynamic(torch.compile(FORWARD_FOR_COMPILE))
-        _grad_fn = _rows_dynamic(torch.compile(GRAD_FOR_COMPILE))
+        _forward_fn = torch.compile(FORWARD_FOR_COMPILE, dynamic=True)
+        _grad_fn = torch.compile(GRAD_FOR_COMPILE, dynamic=True)
     else:
         _forward_fn, _grad_fn = _chunk_forward, _chunk_grad
-
-
-def _rows_dynamic(compiled):
-    """`compiled` called with the first dimension of every tensor argument (the chunk's rows,
-    which change with the micro-batch) marked dynamic, and every other dimension left static:
-    the vocabulary size V is a constant of the compiled passes. (Compiled with dynamic=True,
-    V was symbolic too, and the [n, V] gradient pass, a division and a remainder by V per
-    element to find each one's row and column, ran at a third of the H100's memory
-    bandwidth: 0.86 ms per 1766-row chunk of a 152k vocabulary.) maybe_mark_dynamic: a
-    one-row chunk may still specialise (0/1 specialisation) instead of failing."""
-    def call(*args):
-        for t in args:
-            if isinstance(t, torch.Tensor):
-                torch._dynamo.maybe_mark_dynamic(t, 0)
-        return compiled(*args)
-    return call
 
 
 # What use_compiled compiles (bench/trainer_throughput.py --unfused-head sets the in-place
