@@ -17,7 +17,8 @@
 #              blocks keep at most 80% of their activations for backward)
 #   amb07_16k, amb06_16k, amb05_16k, amb07_20k  other budgets and micro-batch sizes
 #   plain      new without the profile
-#   r16        the 0.5B GPU recipe's update (16384-token micro-batches, budget 0.8), profiled
+#   recipe     the 0.5B GPU recipe's update (16384-token micro-batches, budget 0.9), profiled
+#   r16        16384-token micro-batches, budget 0.8 (the recipe before 2026-11-26), profiled
 #   r16_rowbound  r16 with the varlen kernel told the row's length as its longest sequence
 #   amb09_16k, nob16k (no budget), amb07_32k, amb06_32k  around the recipe's settings
 # (Inductor's C++ wrapper, tried with --torch-config torch._inductor.config.cpp_wrapper=True,
@@ -98,6 +99,7 @@ declare -A ARGS=(
   [amb08_16k]="--variant packed --budget 16384 $AMB=0.8"
   [amb07_20k]="--variant packed --budget 20480 $AMB=0.7"
   [plain]="--variant packed --budget 8192"
+  [recipe]="--variant packed --budget 16384 $AMB=0.9 --profile --sync-debug"
   [r16]="--variant packed --budget 16384 $AMB=0.8 --profile --sync-debug"
   [r16_rowbound]="--variant packed --budget 16384 $AMB=0.8 --row-length-bound"
   [amb09_16k]="--variant packed --budget 16384 $AMB=0.9"
@@ -106,7 +108,7 @@ declare -A ARGS=(
   [amb06_32k]="--variant packed --budget 32768 $AMB=0.6"
 )
 NAMES=("$@")
-[ ${#NAMES[@]} -gt 0 ] || NAMES=(new old amb08_16k budget16k budget12k padded)
+[ ${#NAMES[@]} -gt 0 ] || NAMES=(recipe r16_rowbound amb08_16k nob16k amb07_32k padded)
 for name in "${NAMES[@]}"; do
   prefix=""
   [ "$name" = old ] && prefix="$ROOT/.bench_old:"
