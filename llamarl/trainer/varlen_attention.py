@@ -58,9 +58,9 @@ def _sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, scalin
 # The CUDA varlen path reads no Python value off the boundaries (they reach the kernel as a
 # device tensor, and their longest sequence as an int that the compiled block takes as a
 # symbolic input), so torch.compile traces it into the decoder block's graph: no graph break
-# in the middle of every block (each break
-# split a block into two compiled regions, with the guards and launches of both, forward
-# and backward). False: the CUDA kernel is called from the untraced loop below instead.
+# in the middle of every block (each break split a block into two compiled regions, with the
+# guards and launches of both, forward and backward). False: the CUDA kernel is called from
+# the untraced loop below instead.
 TRACE_VARLEN = True
 
 
