@@ -154,13 +154,13 @@ def _cut(full: TokenBatch | None, idx: torch.Tensor, blank: TokenBatch,
     `mb[1]` > 0 packed bins of whole sequences; then masked filler up to the largest count of
     any trainer rank (every rank runs as many forwards)."""
     rows_per, budget = mb
+    lens = full.attention_mask[idx].sum(1) if full is not None else None
     if full is None or not len(idx):
         parts = []
     elif budget > 0:
-        lens = full.attention_mask[idx].sum(1)
         parts = [idx[torch.tensor(b)] for b in pack_bins(lens.tolist(), budget)]
     else:
-        parts = list(by_length(idx, full.attention_mask[idx].sum(1)).split(rows_per))
+        parts = list(by_length(idx, lens).split(rows_per))
     cut = [(rows, full.take(rows).pack() if budget > 0 else full.take(rows)) for rows in parts]
     count = torch.tensor([float(len(cut))])
     if dist.is_initialized():
