@@ -174,7 +174,7 @@ def test_padded_micro_batches_hold_rows_of_similar_lengths():
     batch = make_batch(8, 4, seed=3)
     full = pad_rollouts(batch, tok.pad_token_id)
     lens = full.attention_mask.sum(1)
-    cut = _cut(full, torch.arange(len(lens)), _filler(batch, tok.pad_token_id), (5, 0))
+    cut = _cut(full, torch.arange(len(lens)), _filler(batch, tok.pad_token_id), (5, 0, False))
     rows = torch.cat([r for r, _ in cut])
     assert sorted(rows.tolist()) == list(range(len(lens)))
     widths = [mb.input_ids.shape[1] for _, mb in cut]

@@ -18,7 +18,7 @@ import torch
 
 from llamarl.config import Config
 from llamarl.parallel.fsdp import apply_fsdp, trainer_options
-from llamarl.trainer.policy import DTYPES, TokenBatch, model_inputs, to_padded
+from llamarl.trainer.policy import DTYPES, TokenBatch, model_inputs, scored, to_padded
 from llamarl.trainer.step import PolicyTrainer
 
 
@@ -54,7 +54,7 @@ def values(model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
     """V_t for every position that chooses a next token: [B, T-1] float32 (0 where nothing is
     scored when `batch` is packed)."""
     out = model(**model_inputs(batch)).logits
-    return to_padded(batch, out[:, :-1, 0].float())
+    return to_padded(batch, scored(batch, out)[..., 0].float())
 
 
 def _forward(model: torch.nn.Module, batch: TokenBatch):

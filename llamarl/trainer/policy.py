@@ -8,6 +8,7 @@ import torch
 
 from llamarl.buffer.record import segment_ids, segment_positions
 from llamarl.trainer import varlen_attention
+from llamarl.trainer.shared_prompts import SharedPromptRows, share_prompts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -69,6 +70,10 @@ class TokenBatch:
     packed: the same rows laid end to end (`pack()`), or None. When set, the model runs on
     the packed row and its per-token outputs are put back into the [B, T-1] layout, so the
     losses read the same tensors either way; only the forward skips the padding.
+
+    prompt_lens, group_ids: [B] (from the rollout; None for token lists built in code), read
+    by `share()`. shared: the rows that share a prompt laid out as one tree each
+    (`share()`, trainer/shared_prompts.py), or None; like `packed`, only the forward changes.
     """
 
     input_ids: torch.Tensor
@@ -81,6 +86,9 @@ class TokenBatch:
     old_values: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
     packed: PackedRows | None = None
+    prompt_lens: torch.Tensor | None = None
+    group_ids: torch.Tensor | None = None
+    shared: SharedPromptRows | None = None
 
     def to(self, device: torch.device) -> TokenBatch:
         return TokenBatch(**{f.name: None if getattr(self, f.name) is None
@@ -94,7 +102,7 @@ class TokenBatch:
         out = {}
         for f in fields(self):
             t = getattr(self, f.name)
-            if t is None or f.name == "packed":
+            if t is None or f.name in ("packed", "shared"):
                 out[f.name] = None
             elif t.dim() == 1:
                 out[f.name] = t[rows]
@@ -116,10 +124,27 @@ class TokenBatch:
                             bounds, bounds.int(), int(lens.max()) if len(lens) else 0)
         return replace(self, packed=packed)
 
+    def share(self) -> TokenBatch:
+        """This micro-batch with `shared` set: each prompt once for the rows that share it."""
+        assert self.prompt_lens is not None and self.group_ids is not None, "no prompt lengths"
+        return replace(self, shared=share_prompts(self.input_ids, self.attention_mask,
+                                                  self.prompt_lens, self.group_ids))
+
+    def computed_tokens(self) -> tuple[int, int]:
+        """(real, computed) tokens of this micro-batch's forward: padding is computed but not
+        real; a shared prompt is computed (and counted) once for its rows."""
+        if self.packed is not None:
+            return self.packed.input_ids.numel(), self.packed.input_ids.numel()
+        if self.shared is not None:
+            return self.shared.tokens, self.shared.input_ids.numel()
+        return int(self.attention_mask.sum()), self.attention_mask.numel()
+
     def padding_share(self) -> float:
         """The share of the tokens a forward computes that are padding (0 when packed)."""
         if self.packed is not None:
             return 0.0
+        if self.shared is not None:
+            return 1.0 - self.shared.tokens / max(self.shared.input_ids.numel(), 1)
         return 1.0 - float(self.attention_mask.sum()) / max(self.attention_mask.numel(), 1)
 
 
@@ -128,7 +153,7 @@ def to_device(t, device: torch.device):
     pinned memory without blocking: a copy from pageable memory makes the host wait until the
     device has run everything queued before it, so each micro-batch's inputs drained the
     GPU's queue while the host had the whole forward still to launch."""
-    if isinstance(t, PackedRows):
+    if isinstance(t, (PackedRows, SharedPromptRows)):
         return t.to(device)
     if device.type == "cuda" and t.device.type == "cpu":
         return t.pin_memory().to(device, non_blocking=True)
@@ -145,6 +170,10 @@ def model_inputs(batch: TokenBatch) -> dict[str, torch.Tensor]:
     Hugging Face's attention keyword arguments: `llamarl_cu_seqlens` on the model's device
     where torch's varlen flash attention runs (with `llamarl_max_seqlen`, the longest
     sequence), `llamarl_bounds` (CPU) elsewhere."""
+    if batch.shared is not None:  # a 4-D mask goes to the attention as it is
+        t = batch.shared
+        return {"input_ids": t.input_ids, "position_ids": t.position_ids,
+                "attention_mask": t.attention_mask, "use_cache": False}
     if batch.packed is None:
         return {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
     p = batch.packed
@@ -161,14 +190,28 @@ def model_inputs(batch: TokenBatch) -> dict[str, torch.Tensor]:
     return out
 
 
+def scored(batch: TokenBatch, x: torch.Tensor) -> torch.Tensor:
+    """The model's per-position outputs [B', L', *] at the positions that score a next token,
+    aligned with `scored_targets`: [B', L'-1, *] (padded or packed), or the shared-prompt
+    layout's scored entries [1, S, *]."""
+    return batch.shared.scored(x) if batch.shared is not None else x[:, :-1]
+
+
+def scored_targets(batch: TokenBatch) -> torch.Tensor:
+    """The token scored at each position of `scored`'s layout."""
+    if batch.shared is not None:
+        return batch.shared.targets
+    return batch.targets if batch.packed is None else batch.packed.input_ids[:, 1:]
+
+
 def to_padded(batch: TokenBatch, x: torch.Tensor) -> torch.Tensor:
-    """Per-position outputs of the model's layout, [1, L-1] packed or [B, T-1] padded, in the
-    padded layout [B, T-1] (0 where nothing is scored); differentiable."""
-    if batch.packed is None:
+    """Outputs in `scored`'s layout, [1, L-1] packed, [1, S] shared or [B, T-1] padded, in
+    the padded layout [B, T-1] (0 where nothing is scored); differentiable."""
+    if batch.packed is None and batch.shared is None:
         return x
-    p = batch.packed
+    p = batch.packed if batch.packed is not None else batch.shared
     out = x.new_zeros(batch.mask.shape)
-    out[p.dst_row, p.dst_col] = x[0, p.src]
+    out[p.dst_row, p.dst_col] = x[0, p.src] if batch.packed is not None else x[0]
     return out
 
 
@@ -189,7 +232,8 @@ def pad_rollouts(batch, pad_id: int) -> TokenBatch:
     mask[row[scored], col[scored] - 1] = batch.loss_mask[scored].float()
     old = torch.zeros((B, T - 1), dtype=torch.float32)
     old[row[scored], col[scored] - 1] = batch.logprobs[scored]  # 0 off the loss mask
-    return TokenBatch(ids, attn, ids[:, 1:].clone(), mask, old)
+    return TokenBatch(ids, attn, ids[:, 1:].clone(), mask, old,
+                      prompt_lens=batch.prompt_lens.long(), group_ids=batch.group_ids.clone())
 
 
 def collate(seqs: list[tuple[list[int], list[int], list[float]]], pad_id: int) -> TokenBatch:
@@ -261,7 +305,7 @@ def _over_spans(fn, x: torch.Tensor, targets: torch.Tensor,
     return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
 
 
-def _logprobs_through_head(model: torch.nn.Module, head: torch.nn.Linear, inputs: dict,
+def _logprobs_through_head(model: torch.nn.Module, head: torch.nn.Linear, batch: TokenBatch,
                            targets: torch.Tensor, span: int, temperature: float,
                            entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One model forward whose LM head, for this call, turns the final hidden states into
@@ -274,14 +318,14 @@ def _logprobs_through_head(model: torch.nn.Module, head: torch.nn.Linear, inputs
 
     def head_forward(hidden: torch.Tensor) -> torch.Tensor:  # [B, T, H] -> [B, T-1, 2]
         w, b = head.weight, head.bias  # read now: FSDP2's unsharded parameters
-        lp, ent = linear_logprobs(hidden[:, :-1], w, b, targets, temperature,
+        lp, ent = linear_logprobs(scored(batch, hidden), w, b, targets, temperature,
                                   span * targets.shape[0], entropy_grad)
         return torch.stack([lp, ent], -1)
 
     before = head.__dict__.get("forward")
     head.forward = head_forward
     try:
-        out = model(**inputs).logits
+        out = model(**model_inputs(batch)).logits
     finally:
         if before is None:
             del head.forward
@@ -312,17 +356,16 @@ def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float
     if chunk_mib is None:
         cuda = batch.input_ids.is_cuda
         chunk_mib = LOGPROB_CHUNK_MIB_CUDA if cuda else LOGPROB_CHUNK_MIB
-    inputs = model_inputs(batch)
-    targets = batch.targets if batch.packed is None else batch.packed.input_ids[:, 1:]
+    targets = scored_targets(batch)
     B, T = targets.shape
     vocab = model.config.vocab_size
     span = T if chunk_mib <= 0 else max(1, int(chunk_mib * 2**20 / (4 * vocab)) // max(B, 1))
     head = _plain_head(model) if span < T else None
     if head is not None:
-        lp, ent = _logprobs_through_head(model, head, inputs, targets, span, temperature,
+        lp, ent = _logprobs_through_head(model, head, batch, targets, span, temperature,
                                          entropy_grad)
     else:
-        logits = model(**inputs).logits[:, :-1]
+        logits = scored(batch, model(**model_inputs(batch)).logits)
         lp, ent = _over_spans(
             lambda lg, t: _logprobs_of_chunk(lg, t, temperature, entropy_grad),
             logits, targets, min(span, T))

@@ -48,7 +48,8 @@ def policy_step(trainer: PolicyTrainer, batch: RolloutBatch | None, cfg, pad_id:
     samples dropped as stale (counted, and used only as masked filler). Returns stats summed
     over the trainer ranks."""
     alg, mb = cfg.algorithm, (cfg.trainer.micro_batch_size,
-                              cfg.trainer.max_tokens_per_micro_batch)
+                              cfg.trainer.max_tokens_per_micro_batch,
+                              cfg.trainer.share_prompts)
     n = len(batch) if batch is not None else 0
     totals = _global_counts(batch, n, version, filler)
     # The padded tensors of the whole local batch, once: micro-batches are row slices of it.
@@ -148,20 +149,25 @@ def _global_counts(batch, n: int, version: int, filler) -> dict:
 
 
 def _cut(full: TokenBatch | None, idx: torch.Tensor, blank: TokenBatch,
-         mb: tuple[int, int]) -> list[tuple[torch.Tensor, TokenBatch]]:
+         mb: tuple[int, int, bool]) -> list[tuple[torch.Tensor, TokenBatch]]:
     """The micro-batches of rows `idx` of the padded batch, as (rows, micro-batch): `mb[0]`
-    rows each, rows of similar lengths together (`by_length`), or with a token budget
-    `mb[1]` > 0 packed bins of whole sequences; then masked filler up to the largest count of
-    any trainer rank (every rank runs as many forwards)."""
-    rows_per, budget = mb
+    rows each, rows of similar lengths together (`by_length`), or with `mb[2]` (shared
+    prompts) whole groups together (`by_group`), each group's prompt computed once; or with a
+    token budget `mb[1]` > 0 packed bins of whole sequences; then masked filler up to the
+    largest count of any trainer rank (every rank runs as many forwards)."""
+    rows_per, budget, share = mb
     lens = full.attention_mask[idx].sum(1) if full is not None else None
     if full is None or not len(idx):
         parts = []
     elif budget > 0:
         parts = [idx[torch.tensor(b)] for b in pack_bins(lens.tolist(), budget)]
+    elif share:
+        parts = list(by_group(idx, lens, full.prompt_lens[idx], full.group_ids[idx])
+                     .split(rows_per))
     else:
         parts = list(by_length(idx, lens).split(rows_per))
-    cut = [(rows, full.take(rows).pack() if budget > 0 else full.take(rows)) for rows in parts]
+    cut = [(rows, full.take(rows).pack() if budget > 0
+            else full.take(rows).share() if share else full.take(rows)) for rows in parts]
     count = torch.tensor([float(len(cut))])
     if dist.is_initialized():
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
@@ -177,6 +183,23 @@ def by_length(idx: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     (6% in this order; bench/micro_batch_order.py). The update is the same sum of
     per-token terms over the same rows, in another order (float rounding aside)."""
     return idx[torch.sort(lens, descending=True, stable=True).indices]
+
+
+def by_group(idx: torch.Tensor, lens: torch.Tensor, prompt_lens: torch.Tensor,
+             group_ids: torch.Tensor) -> torch.Tensor:
+    """`idx` [n] with the rows of each group together, in the given order within a group,
+    groups ordered by their shared-prompt length (the prompt once plus every row's tokens
+    after it: trainer/shared_prompts.py), longest first: cut into micro-batches of a fixed
+    row count, a group of at most that many rows is one tree of one micro-batch, and each
+    micro-batch is padded to nearly its own trees' length."""
+    p = torch.minimum(prompt_lens.long(), lens.long())
+    _, group = torch.unique(group_ids, return_inverse=True)
+    per_group = torch.zeros(int(group.max()) + 1 if len(group) else 0, dtype=torch.long)
+    tree_len = per_group.index_add(0, group, lens.long() - p)
+    tree_len += per_group.scatter_reduce(0, group, p, "amax", include_self=False)
+    by_id = torch.sort(group, stable=True).indices
+    order = by_id[torch.sort(tree_len[group[by_id]], descending=True, stable=True).indices]
+    return idx[order]
 
 
 def pack_bins(lens: list[int], budget: int) -> list[list[int]]:
@@ -198,7 +221,7 @@ def pack_bins(lens: list[int], budget: int) -> list[list[int]]:
 
 
 def _prepare(trainer: PolicyTrainer, full: TokenBatch | None, blank: TokenBatch,
-             mb: tuple[int, int], reference, critic: PolicyTrainer | None):
+             mb: tuple[int, int, bool], reference, critic: PolicyTrainer | None):
     """No-grad forwards over the local batch in micro-batches, gathered into [n, T-1] on the
     CPU: the reference's logprobs (or None) and the critic's values (or None)."""
     n = full.input_ids.shape[0] if full is not None else 0
@@ -222,7 +245,7 @@ def _prepare(trainer: PolicyTrainer, full: TokenBatch | None, blank: TokenBatch,
 
 
 def _mini_batch(full: TokenBatch | None, idx: torch.Tensor, blank: TokenBatch,
-                mb: tuple[int, int], cfg):
+                mb: tuple[int, int, bool], cfg):
     """Micro-batches of the rows `idx` of the padded batch (with masked filler up to the
     global micro-batch count); and the mini-batch's global loss normaliser
     (algorithm.loss_agg) and sampled-token count."""
@@ -241,9 +264,10 @@ def _forward_tokens(micro: list[TokenBatch], blank: TokenBatch) -> torch.Tensor:
     all of it) is computed but not real."""
     out = torch.zeros(2)
     for m in micro:
-        out[1] += m.packed.input_ids.numel() if m.packed is not None else m.input_ids.numel()
+        real, computed = m.computed_tokens()
+        out[1] += computed
         if m is not blank:
-            out[0] += float(m.attention_mask.sum())
+            out[0] += real
     return out
 
 
