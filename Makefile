@@ -57,6 +57,7 @@ bench: install
 	$(PY) bench/weight_reshard.py --model 100m
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 1 bench/trainer_throughput.py --model tiny
 	$(PY) bench/micro_batch_order.py
+	$(PY) bench/micro_batch_order.py --workload gen24m
 	$(PY) bench/trainer_throughput.py --compare --model 32k --mixed --seqs 64 --micro-batch 8 --prompt-len 64 --completion-len 512 --repeats 2
 	$(PY) bench/trainer_throughput.py --compare --model 24m --mixed --seqs 512 --micro-batch 64 --prompt-len 16 --completion-len 128 --repeats 2 --nproc 2
 	$(PY) bench/logprob_memory.py

@@ -98,7 +98,8 @@ def main() -> None:
             t = time.perf_counter()
             full = pad_rollouts(mine, 0)
             full.advantages = torch.randn(len(mine))
-            rl_step._mini_batch(full, torch.arange(len(mine)), full.take([0]), 64, cfg)
+            rl_step._mini_batch(full, torch.arange(len(mine)), full.take([0]),
+                               rl_step.MicroBatching(64), cfg)
             times["micro_batches"].append(time.perf_counter() - t)
     finally:
         sweep_run(run_id)

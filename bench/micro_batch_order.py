@@ -1,18 +1,23 @@
 """The update's micro-batch layouts side by side in one process: the same GRPO update of the
 same batch, the layouts taking turns, so the machine's drift hits all alike.
 
-    given          padded rows in the batch's order (groups of one prompt each)
-    by_length      padded rows of similar lengths together (`rl_step.by_length`, the default)
-    shared_prompts each group one row, its prompt computed once (trainer.share_prompts)
-    shared_prompts_256  the same, 256 samples (32 groups) per micro-batch instead of 64
+    given           padded rows in the batch's order (groups of one prompt each)
+    by_length       padded rows of similar lengths together (`rl_step.by_length`)
+    shared_prompts  each group one row, its prompt computed once (trainer.share_prompts: true)
+    auto            trainer.share_prompts: auto (the default) choosing between the two
 
-The batch has the default recipe's shapes: the embedded tiny model, 64 prompts x 8 samples,
-prompts of 8-15 tokens (one length per group), completions of 1-12 tokens, micro-batches of
-64 rows, one FSDP2 rank on the process's threads. Reports, per layout, the median and the
-minimum seconds per update over --repeats, the share of the computed tokens that are padding,
-and the ratio of each median to by_length's; written to bench/results/micro_batch_order.json.
+Workload `tiny` (the default): the default recipe's shapes, the embedded tiny model, 64
+prompts x 8 samples, prompts of 8-15 tokens (one length per group), completions of 1-12
+tokens, micro-batches of 64 rows (and 256, `*_256`). Workload `gen24m`: long answers, where
+the shared layout's dense square costs: bench/peer_trl.py's 24M model, 8 prompts x 8
+samples, prompts of 10-15 tokens, completions of 64-128, micro-batches of 32 rows. One FSDP2
+rank on the process's threads. Reports, per layout, the median and the minimum seconds per
+update over --repeats, the share of the computed tokens that are padding, the share of
+micro-batches that ran shared, and the ratio of each median to by_length's; written to
+bench/results/micro_batch_order.json (tiny) or micro_batch_order_gen24m.json.
 
-    python bench/micro_batch_order.py        # part of make bench
+    python bench/micro_batch_order.py                     # part of make bench
+    python bench/micro_batch_order.py --workload gen24m   # part of make bench
 """
 
 from __future__ import annotations
@@ -29,18 +34,20 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 
-def recipe_batch(prompts: int, samples: int, vocab: int, seed: int):
-    """A RolloutBatch of `prompts` groups of `samples`: prompt lengths 8-15 per group,
-    completion lengths 1-12 per sample (uniform), random tokens and rewards."""
+def recipe_batch(prompts: int, samples: int, vocab: int, seed: int,
+                 prompt_len: tuple[int, int] = (8, 15), completion_len: tuple[int, int] = (1, 12)):
+    """A RolloutBatch of `prompts` groups of `samples`: prompt lengths uniform in `prompt_len`
+    (one per group), completion lengths uniform in `completion_len` (per sample), random
+    tokens and rewards."""
     from llamarl.buffer.record import RolloutBatch
 
     g = torch.Generator().manual_seed(seed)
     ps, cs, lps, rewards, gids = [], [], [], [], []
     for p in range(prompts):
-        prompt = torch.randint(3, vocab, (int(torch.randint(8, 16, (1,), generator=g)),),
-                               generator=g).tolist()
+        n = int(torch.randint(prompt_len[0], prompt_len[1] + 1, (1,), generator=g))
+        prompt = torch.randint(3, vocab, (n,), generator=g).tolist()
         for _ in range(samples):
-            c = int(torch.randint(1, 13, (1,), generator=g))
+            c = int(torch.randint(completion_len[0], completion_len[1] + 1, (1,), generator=g))
             ps.append(prompt)
             cs.append(torch.randint(3, vocab, (c,), generator=g).tolist())
             lps.append((-torch.rand(c, generator=g)).tolist())
@@ -49,11 +56,32 @@ def recipe_batch(prompts: int, samples: int, vocab: int, seed: int):
     return RolloutBatch.from_lists(ps, cs, lps, rewards, gids, [True] * len(ps), 0, 0)
 
 
+PADDED = ["trainer.share_prompts=false"]
+SHARED = ["trainer.share_prompts=true"]
+# workload -> (description, micro-batch rows, batch shape, layouts: name -> recipe overrides)
+WORKLOADS = {
+    "tiny": ("tiny model, 64 prompts x 8 samples, prompts 8-15 tokens, completions 1-12, "
+             "micro-batches of 64 rows (256: shared_prompts_256), 1 FSDP2 rank", 64,
+             dict(prompts=64, samples=8),
+             {"given": PADDED, "by_length": PADDED, "shared_prompts": SHARED,
+              "shared_prompts_256": SHARED + ["trainer.micro_batch_size=256"],
+              "auto_256": ["trainer.micro_batch_size=256"]}),
+    "gen24m": ("24M Qwen2 (bench/peer_trl.py's generation-heavy model), 8 prompts x 8 samples, "
+               "prompts 10-15 tokens, completions 64-128, micro-batches of 32 rows, 1 FSDP2 "
+               "rank", 32, dict(prompts=8, samples=8, prompt_len=(10, 15),
+                                completion_len=(64, 128)),
+               {"by_length": PADDED, "shared_prompts": SHARED, "auto": []}),
+}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--repeats", type=int, default=15, help="updates per order")
+    p.add_argument("--workload", choices=tuple(WORKLOADS), default="tiny")
+    p.add_argument("--repeats", type=int, default=None, help="updates per layout "
+                   "(default 15 tiny, 5 gen24m)")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
+    repeats = args.repeats or {"tiny": 15, "gen24m": 5}[args.workload]
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     torch.set_num_threads(args.threads)
@@ -64,43 +92,51 @@ def main() -> None:
     from llamarl.trainer import rl_step
     from llamarl.trainer.step import PolicyTrainer
 
-    base = ["trainer.micro_batch_size=64", "trainer.ranks=1"]
-    model, tok = build_model(0)
+    what, rows, shape, layouts = WORKLOADS[args.workload]
+    base = [f"trainer.micro_batch_size={rows}", "trainer.ranks=1"]
+    if args.workload == "tiny":
+        model, tok = build_model(0)
+    else:
+        import tempfile
+
+        from peer_trl import build_gen_model
+        from transformers import AutoTokenizer
+
+        from llamarl.trainer.policy import load_policy
+
+        path = build_gen_model(Path(tempfile.gettempdir()) / "llamarl-bench-gen24m")
+        model, tok = load_policy(path, "float32"), AutoTokenizer.from_pretrained(path)
     apply_fsdp(model, init_device_mesh("cpu", (1,)), torch.float32)
     cfg = load_config(None, base)
     trainer = PolicyTrainer(model, cfg.trainer, 10_000, 1, torch.device("cpu"))
-    batch = recipe_batch(64, 8, model.config.vocab_size, seed=0)
+    batch = recipe_batch(vocab=model.config.vocab_size, seed=0, **shape)
     sort = rl_step.by_length
-    # layout -> (recipe overrides, padded rows' order)
-    layouts = {"given": ([], lambda idx, lens: idx), "by_length": ([], sort),
-               "shared_prompts": (["trainer.share_prompts=true"], sort),
-               "shared_prompts_256": (["trainer.share_prompts=true",
-                                       "trainer.micro_batch_size=256"], sort)}
-    cfgs = {name: load_config(None, base + extra) for name, (extra, _) in layouts.items()}
+    cfgs = {name: load_config(None, base + extra) for name, extra in layouts.items()}
     times = {name: [] for name in layouts}
-    padding = {}
-    for i in range(args.repeats + 1):
-        for name, (_, order) in layouts.items():
-            rl_step.by_length = order
+    padding, shared = {}, {}
+    for i in range(repeats + 1):
+        for name in layouts:
+            # "given": padded rows in the batch's order
+            rl_step.by_length = (lambda idx, lens: idx) if name == "given" else sort
             t0 = time.perf_counter()
             stats = rl_step.policy_step(trainer, batch, cfgs[name], tok.pad_token_id)
             if i:  # the first of each is warm-up
                 times[name].append(time.perf_counter() - t0)
-            padding[name] = stats["padding_share"]
+            padding[name], shared[name] = stats["padding_share"], stats["shared_prompts"]
     rl_step.by_length = sort
-    out = {"workload": "tiny model, 64 prompts x 8 samples, prompts 8-15 tokens, completions "
-                       "1-12, micro-batches of 64 rows (256: shared_prompts_256), 1 FSDP2 rank",
-           "threads": args.threads, "repeats": args.repeats}
+    out = {"workload": what, "threads": args.threads, "repeats": repeats}
     for name in layouts:
         out[name] = {"update_s_median": statistics.median(times[name]),
                      "update_s_min": min(times[name]), "padding_share": padding[name],
-                     "update_s_all": times[name]}
+                     "shared_prompts": shared[name], "update_s_all": times[name]}
     for name in layouts:
         if name != "by_length":
             out[f"{name}_over_by_length"] = (out[name]["update_s_median"]
                                              / out["by_length"]["update_s_median"])
     print(json.dumps(out, indent=1))
-    Path("bench/results/micro_batch_order.json").write_text(json.dumps(out, indent=1) + "\n")
+    suffix = "" if args.workload == "tiny" else f"_{args.workload}"
+    Path(f"bench/results/micro_batch_order{suffix}.json").write_text(
+        json.dumps(out, indent=1) + "\n")
     dist.destroy_process_group()
 
 

@@ -269,7 +269,7 @@ def main() -> None:
         from llamarl.trainer import linear_logprobs as head
         head.FORWARD_FOR_COMPILE, head.GRAD_FOR_COMPILE = head._chunk_forward, head._chunk_grad
 
-    variant = []
+    variant = ["trainer.share_prompts=false"]  # padded rows, as measured before the option
     if args.variant == "padded":
         # whole logits, one softmax: as before the chunking
         policy_mod.LOGPROB_CHUNK_MIB = policy_mod.LOGPROB_CHUNK_MIB_CUDA = 0

@@ -90,13 +90,14 @@ class TrainerConfig:
     # sequence; micro_batch_size is then not used by the policy/critic update. No compute on
     # padding (docs/algorithms.md: packed micro-batches).
     max_tokens_per_micro_batch: int = 0
-    # Padded micro-batches hold whole groups, and the samples of a group (one prompt) run as
-    # one row: the prompt's forward once for all of them, each sample attending to the
-    # prompt and to itself (a dense mask; model.attn_implementation: sdpa). The same
-    # gradients as padded rows (tested); less compute where prompts are long next to the
-    # samples (the tiny recipes: 0.6x the update's time), more where samples are long
-    # (docs/trainer.md: shared prompts).
-    share_prompts: bool = False
+    # Padded micro-batches of whole groups, the samples of a group (one prompt) run as one
+    # row: the prompt's forward once for all of them, each sample attending to the prompt and
+    # to itself (a dense mask). The same gradients as padded rows (tested); less compute where
+    # prompts are long next to the samples, more where samples are long (the dense mask's
+    # square). auto = whichever layout an estimate of the FLOPs finds cheaper for each
+    # mini-batch, where it applies (padded micro-batches, model.attn_implementation: sdpa);
+    # true = always (an error where it does not apply); false = never. docs/trainer.md.
+    share_prompts: str = "auto"  # auto | true | false
     lr: float = 1e-4
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -433,14 +434,18 @@ def validate(cfg: Config) -> Config:
     if budget < 1 and not cfg.trainer.compile:
         _fail("trainer.activation_memory_budget", budget,
               "only compiled blocks read it: set trainer.compile: true, or leave it at 1")
-    if cfg.trainer.share_prompts and cfg.trainer.max_tokens_per_micro_batch > 0:
+    share = str(cfg.trainer.share_prompts).lower()  # YAML's true/false arrive as "True"/...
+    if share not in ("auto", "true", "false"):
+        _fail("trainer.share_prompts", cfg.trainer.share_prompts, "must be auto, true or false")
+    cfg.trainer.share_prompts = share
+    if share == "true" and cfg.trainer.max_tokens_per_micro_batch > 0:
         _fail("trainer.share_prompts", True,
               "needs padded micro-batches: set trainer.max_tokens_per_micro_batch: 0, or "
-              "share_prompts: false to keep the packed ones")
-    if cfg.trainer.share_prompts and cfg.model.attn_implementation != "sdpa":
+              "share_prompts: auto to keep the packed ones")
+    if share == "true" and cfg.model.attn_implementation != "sdpa":
         _fail("trainer.share_prompts", True,
               f"needs model.attn_implementation: sdpa (it passes a 4-D mask), not "
-              f"{cfg.model.attn_implementation!r}; or set share_prompts: false")
+              f"{cfg.model.attn_implementation!r}; or set share_prompts: auto")
     if cfg.run.log_every <= 0:
         _fail("run.log_every", cfg.run.log_every, "must be > 0")
     if cfg.generator.temperature <= 0:

@@ -11,7 +11,8 @@ from llamarl.tiny.model import build_model
 from llamarl.trainer.rl_step import policy_step
 from llamarl.trainer.step import PolicyTrainer
 
-CFG = ["trainer.micro_batch_size=3", "trainer.lr=1e-2", "trainer.ranks=2"]
+CFG = ["trainer.micro_batch_size=3", "trainer.lr=1e-2", "trainer.ranks=2",
+       "trainer.share_prompts=false"]  # as tests/dist/fsdp_policy_step.py
 
 
 def launch(nproc: int, out, **env) -> dict:

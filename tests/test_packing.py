@@ -15,10 +15,11 @@ from llamarl.config import load_config
 from llamarl.tiny.model import build_model
 from llamarl.trainer import critic as critic_mod
 from llamarl.trainer.policy import load_policy, pad_rollouts, token_logprobs
-from llamarl.trainer.rl_step import pack_bins, policy_step
+from llamarl.trainer.rl_step import MicroBatching, pack_bins, policy_step
 from llamarl.trainer.step import PolicyTrainer
 
-BASE = ["trainer.micro_batch_size=3", "trainer.lr=1e-2", "trainer.ranks=1"]
+BASE = ["trainer.micro_batch_size=3", "trainer.lr=1e-2", "trainer.ranks=1",
+        "trainer.share_prompts=false"]  # padded rows, not the shared-prompt layout
 PACKED = ["trainer.max_tokens_per_micro_batch=24"]
 
 
@@ -144,15 +145,18 @@ def test_packed_and_padded_updates_give_the_same_gradients(alg, tiny_model_dir):
     assert max(g.abs().max() for g in g_padded.values()) > 1e-3  # a real update
 
 
-def test_two_fsdp2_ranks_packed_with_a_chunked_head_match_one_padded_process(tmp_path):
+@pytest.mark.parametrize("layout", [PACKED[0], "trainer.share_prompts=true"],
+                         ids=["packed", "shared_prompts"])
+def test_two_fsdp2_ranks_with_a_chunked_head_match_one_padded_process(tmp_path, layout):
     """Under FSDP2 the chunked head runs inside the root's forward (its tied weight unsharded)
-    and its gradient reaches the sharded embedding: the same step as one plain process."""
+    and its gradient reaches the sharded embedding: the same step as one plain process, packed
+    or with shared prompts (trainer/shared_prompts.py: the head then reads gathered entries)."""
     proc = torchrun(2, [str(DIST / "fsdp_policy_step.py")], timeout=300, OUT=tmp_path / "o.pt",
-                    EXTRA=PACKED[0], CHUNK_MIB="0.0001")  # one position per span
+                    EXTRA=layout, CHUNK_MIB="0.0001")  # one position per span
     assert proc.returncode == 0, proc.stderr[-3000:]
     sharded = torch.load(tmp_path / "o.pt")
     cfg = load_config(None, ["trainer.micro_batch_size=3", "trainer.lr=1e-2",
-                             "trainer.ranks=2"])
+                             "trainer.ranks=2", "trainer.share_prompts=false"])
     model, tok = build_model(seed=0)
     trainer = PolicyTrainer(model, cfg.trainer, 1, 1, torch.device("cpu"))
     stats = policy_step(trainer, make_batch(4, 4, seed=5), cfg, tok.pad_token_id)
@@ -174,7 +178,8 @@ def test_padded_micro_batches_hold_rows_of_similar_lengths():
     batch = make_batch(8, 4, seed=3)
     full = pad_rollouts(batch, tok.pad_token_id)
     lens = full.attention_mask.sum(1)
-    cut = _cut(full, torch.arange(len(lens)), _filler(batch, tok.pad_token_id), (5, 0, False))
+    blank = _filler(batch, tok.pad_token_id)
+    cut = _cut(full, torch.arange(len(lens)), blank, MicroBatching(5))
     rows = torch.cat([r for r, _ in cut])
     assert sorted(rows.tolist()) == list(range(len(lens)))
     widths = [mb.input_ids.shape[1] for _, mb in cut]

@@ -121,8 +121,9 @@ def test_shared_and_padded_updates_give_the_same_gradients(alg, tiny_model_dir, 
     shared, g_shared = _update(alg + SHARED, tiny_model_dir)
     # the forwards ran on trees: fewer rows than samples (micro-batches of 3, groups of 4)
     assert sum(t.shared.input_ids.shape[0] for t in trees) < sum(len(t.mask) for t in trees)
+    assert padded["shared_prompts"] == 0.0 and shared["shared_prompts"] == 1.0
     for key, value in padded.items():
-        if key != "padding_share":
+        if key not in ("padding_share", "shared_prompts"):
             assert shared[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
     assert g_padded.keys() == g_shared.keys()
     for name, g in g_padded.items():
@@ -135,3 +136,46 @@ def test_shared_prompts_are_checked_against_what_they_need():
         load_config(None, SHARED + ["trainer.max_tokens_per_micro_batch=64"])
     with pytest.raises(ValueError, match="model.attn_implementation: sdpa"):
         load_config(None, SHARED + ["model.attn_implementation=eager"])
+    with pytest.raises(ValueError, match="must be auto, true or false"):
+        load_config(None, ["trainer.share_prompts=sometimes"])
+    assert load_config(None, ["trainer.share_prompts=True"]).trainer.share_prompts == "true"
+
+
+def _long_responses(n_groups: int, size: int, prompt: int, lo: int, hi: int) -> RolloutBatch:
+    g = torch.Generator().manual_seed(0)
+    ps, cs, lps, gids = [], [], [], []
+    for grp in range(n_groups):
+        p = torch.randint(4, 30, (prompt,), generator=g).tolist()
+        for _ in range(size):
+            n = int(torch.randint(lo, hi + 1, (1,), generator=g))
+            ps.append(p)
+            cs.append([5] * n)
+            lps.append([-0.1] * n)
+            gids.append(grp)
+    return RolloutBatch.from_lists(ps, cs, lps, [0.0] * len(ps), gids, [True] * len(ps), 0, 0)
+
+
+def test_auto_shares_prompts_where_the_flops_estimate_says_it_is_cheaper():
+    """share_prompts: auto weighs the tokens and the attention's (query, key) pairs that each
+    layout computes: the default recipe's shapes (prompts of 8-15 tokens, answers of 1-12) on
+    the tiny model share; a 24M-like model with answers of 64-128 tokens after 12-token
+    prompts keeps padded rows (a group's tree of ~800 tokens costs its dense square); packed
+    micro-batches and other attentions never share."""
+    from types import SimpleNamespace
+
+    from llamarl.trainer.rl_step import MicroBatching
+
+    tiny, _ = build_model(seed=0)
+    cfg = load_config(None, ["trainer.micro_batch_size=64"])
+    assert cfg.trainer.share_prompts == "auto"
+    mb = MicroBatching.of(cfg, tiny)
+    short = pad_rollouts(_long_responses(16, 8, 11, 1, 12), 0)
+    assert mb.shared_is_cheaper(short.attention_mask.sum(1), short.prompt_lens, short.group_ids)
+    big = SimpleNamespace(config=SimpleNamespace(hidden_size=512, intermediate_size=1536))
+    cfg = load_config(None, ["trainer.micro_batch_size=32"])
+    long = pad_rollouts(_long_responses(4, 8, 12, 64, 128), 0)
+    assert not MicroBatching.of(cfg, big).shared_is_cheaper(
+        long.attention_mask.sum(1), long.prompt_lens, long.group_ids)
+    for extra in (["trainer.max_tokens_per_micro_batch=64"], ["model.attn_implementation=eager"]):
+        assert MicroBatching.of(load_config(None, extra), tiny).share == "false"
+    assert MicroBatching.of(load_config(None, SHARED), tiny).share == "true"

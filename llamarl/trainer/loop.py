@@ -264,6 +264,8 @@ def run_trainer(rt: Runtime) -> None:
             "train_tokens_per_s": stats["n_tokens_all"] / max(train_s, 1e-9),
             # the share of the update's forward tokens that are padding (0 when packed)
             "padding_share": stats["padding_share"],
+            # the share of its micro-batches that ran with shared prompts (trainer.share_prompts)
+            "shared_prompts": stats["shared_prompts"],
             # buffer cost: this rank's reads + the producers' writes (of the previous batch)
             "buffer_s": transfer_s + sum(i.get("prev_put_s", 0.0) for i in info),
             "broadcast_s": sender.last_broadcast_s,

@@ -26,6 +26,8 @@ mini-batch cut) runs masked filler micro-batches that contribute nothing.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -47,9 +49,7 @@ def policy_step(trainer: PolicyTrainer, batch: RolloutBatch | None, cfg, pad_id:
     """The whole update for one rollout batch (see the module docstring). `filler` holds the
     samples dropped as stale (counted, and used only as masked filler). Returns stats summed
     over the trainer ranks."""
-    alg, mb = cfg.algorithm, (cfg.trainer.micro_batch_size,
-                              cfg.trainer.max_tokens_per_micro_batch,
-                              cfg.trainer.share_prompts)
+    alg, mb = cfg.algorithm, MicroBatching.of(cfg, trainer.model)
     n = len(batch) if batch is not None else 0
     totals = _global_counts(batch, n, version, filler)
     # The padded tensors of the whole local batch, once: micro-batches are row slices of it.
@@ -99,7 +99,8 @@ def policy_step(trainer: PolicyTrainer, batch: RolloutBatch | None, cfg, pad_id:
 
     # 2. epochs x mini-batches of optimizer steps
     step_stats, critic_stats = [], []
-    forward_tokens = torch.zeros(2)  # [real, computed] tokens of the policy's forwards
+    # [real, computed] tokens of the policy's forwards, [shared, all] of its micro-batches
+    forward_tokens = torch.zeros(4)
     rank = dist.get_rank() if dist.is_initialized() else 0
     E, M = alg.epochs, alg.mini_batches
     for epoch in range(E):
@@ -123,8 +124,9 @@ def policy_step(trainer: PolicyTrainer, batch: RolloutBatch | None, cfg, pad_id:
                      value_err_sum=c["value_err_sum"])
     if kl_reward:
         stats["kl_ref"] = float(_all_reduce_sum(kl_sum))
-    real, computed = _all_reduce_sum(forward_tokens).tolist()
+    real, computed, shared, micro = _all_reduce_sum(forward_tokens).tolist()
     stats["padding_share"] = 1.0 - real / max(computed, 1.0)
+    stats["shared_prompts"] = shared / max(micro, 1.0)
     stats.update(totals)
     return stats
 
@@ -148,25 +150,79 @@ def _global_counts(batch, n: int, version: int, filler) -> dict:
     return dict(zip(keys, local.tolist()), staleness_max=float(top))
 
 
+@dataclass
+class MicroBatching:
+    """How a mini-batch is cut into micro-batches (trainer.*): `rows` padded rows each, or
+    packed bins of `max_tokens` tokens (> 0); `share` prompts (auto | true | false) with,
+    for auto, the cost of a forward per layer: `per_token` for each token computed (the
+    multiply-adds of its matrix products, ~ 4h^2 + 3hi for hidden h and MLP width i) and
+    `per_pair` for each (query, key) pair the attention computes: its 2h multiply-adds
+    (scores, weighted values) weighted 3x, as a masked attention kernel runs well below the
+    matrix products' rate (on the CPU the 24M model with 64-128-token answers measured a tie
+    between the layouts, bench/micro_batch_order.py --workload gen24m, where an unweighted
+    2h made the shared one 13% cheaper; 3x leans to padded rows when in doubt)."""
+
+    rows: int
+    max_tokens: int = 0
+    share: str = "false"
+    per_token: float = 0.0
+    per_pair: float = 0.0
+
+    @classmethod
+    def of(cls, cfg, model: torch.nn.Module | None = None) -> MicroBatching:
+        share = cfg.trainer.share_prompts
+        if share == "auto" and (cfg.trainer.max_tokens_per_micro_batch > 0
+                                or cfg.model.attn_implementation != "sdpa"):
+            share = "false"  # it needs padded micro-batches and a 4-D mask
+        mc = getattr(model, "config", None)
+        h = getattr(mc, "hidden_size", 0) or 0
+        i = getattr(mc, "intermediate_size", 0) or 4 * h
+        return cls(cfg.trainer.micro_batch_size, cfg.trainer.max_tokens_per_micro_batch,
+                   share, 4.0 * h * h + 3.0 * h * i, 3 * 2.0 * h)
+
+    def shared_is_cheaper(self, lens: torch.Tensor, prompt_lens: torch.Tensor,
+                          group_ids: torch.Tensor) -> bool:
+        """For share = auto: whether the shared-prompt micro-batches of these rows cost less
+        than the padded ones, by the FLOPs each computes: B x T tokens and B x T^2 attention
+        pairs for a micro-batch of B rows padded to T; N x L and N x L^2 for N trees padded
+        to L (the dense mask computes the whole square either way)."""
+        def cost(widths: list[int], counts: list[int]) -> float:
+            return sum(c * w * (self.per_token + w * self.per_pair)
+                       for w, c in zip(widths, counts))
+
+        padded = [p.max() for p in torch.sort(lens, descending=True).values.split(self.rows)]
+        p = torch.minimum(prompt_lens.long(), lens.long())
+        trees = []
+        for part in by_group(torch.arange(len(lens)), lens, p, group_ids).split(self.rows):
+            _, tree = torch.unique(group_ids[part], return_inverse=True)
+            zero = torch.zeros(int(tree.max()) + 1, dtype=torch.long)
+            t_len = (zero.index_add(0, tree, lens[part].long() - p[part])
+                     + zero.scatter_reduce(0, tree, p[part], "amax", include_self=False))
+            trees.append((int(t_len.max()), len(t_len)))
+        sizes = [len(x) for x in lens.split(self.rows)]
+        return cost([w for w, _ in trees], [n for _, n in trees]) < cost(
+            [int(w) for w in padded], sizes)
+
+
 def _cut(full: TokenBatch | None, idx: torch.Tensor, blank: TokenBatch,
-         mb: tuple[int, int, bool]) -> list[tuple[torch.Tensor, TokenBatch]]:
-    """The micro-batches of rows `idx` of the padded batch, as (rows, micro-batch): `mb[0]`
-    rows each, rows of similar lengths together (`by_length`), or with `mb[2]` (shared
-    prompts) whole groups together (`by_group`), each group's prompt computed once; or with a
-    token budget `mb[1]` > 0 packed bins of whole sequences; then masked filler up to the
-    largest count of any trainer rank (every rank runs as many forwards)."""
-    rows_per, budget, share = mb
+         mb: MicroBatching) -> list[tuple[torch.Tensor, TokenBatch]]:
+    """The micro-batches of rows `idx` of the padded batch, as (rows, micro-batch): `mb.rows`
+    rows each, rows of similar lengths together (`by_length`), or with shared prompts whole
+    groups together (`by_group`), each group's prompt computed once; or with a token budget
+    `mb.max_tokens` > 0 packed bins of whole sequences; then masked filler up to the largest
+    count of any trainer rank (every rank runs as many forwards)."""
     lens = full.attention_mask[idx].sum(1) if full is not None else None
+    share = False
     if full is None or not len(idx):
         parts = []
-    elif budget > 0:
-        parts = [idx[torch.tensor(b)] for b in pack_bins(lens.tolist(), budget)]
-    elif share:
-        parts = list(by_group(idx, lens, full.prompt_lens[idx], full.group_ids[idx])
-                     .split(rows_per))
+    elif mb.max_tokens > 0:
+        parts = [idx[torch.tensor(b)] for b in pack_bins(lens.tolist(), mb.max_tokens)]
     else:
-        parts = list(by_length(idx, lens).split(rows_per))
-    cut = [(rows, full.take(rows).pack() if budget > 0
+        p, g = full.prompt_lens[idx], full.group_ids[idx]
+        share = mb.share == "true" or (mb.share == "auto" and mb.shared_is_cheaper(lens, p, g))
+        parts = list((by_group(idx, lens, p, g) if share else by_length(idx, lens))
+                     .split(mb.rows))
+    cut = [(rows, full.take(rows).pack() if mb.max_tokens > 0
             else full.take(rows).share() if share else full.take(rows)) for rows in parts]
     count = torch.tensor([float(len(cut))])
     if dist.is_initialized():
@@ -221,7 +277,7 @@ def pack_bins(lens: list[int], budget: int) -> list[list[int]]:
 
 
 def _prepare(trainer: PolicyTrainer, full: TokenBatch | None, blank: TokenBatch,
-             mb: tuple[int, int, bool], reference, critic: PolicyTrainer | None):
+             mb: MicroBatching, reference, critic: PolicyTrainer | None):
     """No-grad forwards over the local batch in micro-batches, gathered into [n, T-1] on the
     CPU: the reference's logprobs (or None) and the critic's values (or None)."""
     n = full.input_ids.shape[0] if full is not None else 0
@@ -245,7 +301,7 @@ def _prepare(trainer: PolicyTrainer, full: TokenBatch | None, blank: TokenBatch,
 
 
 def _mini_batch(full: TokenBatch | None, idx: torch.Tensor, blank: TokenBatch,
-                mb: tuple[int, int, bool], cfg):
+                mb: MicroBatching, cfg):
     """Micro-batches of the rows `idx` of the padded batch (with masked filler up to the
     global micro-batch count); and the mini-batch's global loss normaliser
     (algorithm.loss_agg) and sampled-token count."""
@@ -260,14 +316,16 @@ def _mini_batch(full: TokenBatch | None, idx: torch.Tensor, blank: TokenBatch,
 
 
 def _forward_tokens(micro: list[TokenBatch], blank: TokenBatch) -> torch.Tensor:
-    """[real, computed] tokens of the forwards of `micro`: padding (and a filler micro-batch,
-    all of it) is computed but not real."""
-    out = torch.zeros(2)
+    """[real, computed] tokens of the forwards of `micro` (padding, and a filler micro-batch,
+    all of it, is computed but not real), [shared-prompt, all] micro-batches."""
+    out = torch.zeros(4)
     for m in micro:
         real, computed = m.computed_tokens()
         out[1] += computed
+        out[3] += 1
         if m is not blank:
             out[0] += real
+            out[2] += m.shared is not None
     return out
 
 

@@ -30,7 +30,9 @@ from llamarl.trainer.loop import load_reference  # noqa: E402
 from llamarl.trainer.rl_step import policy_step  # noqa: E402
 from llamarl.trainer.step import PolicyTrainer  # noqa: E402
 
-CFG = ["trainer.micro_batch_size=3", "trainer.lr=1e-2", "trainer.ranks=2"]
+# padded rows unless EXTRA says otherwise (trainer.share_prompts=true: the shared-prompt layout)
+CFG = ["trainer.micro_batch_size=3", "trainer.lr=1e-2", "trainer.ranks=2",
+       "trainer.share_prompts=false"]
 
 
 def full(model):
