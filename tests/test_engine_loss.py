@@ -279,7 +279,11 @@ def test_a_lost_node_under_two_node_torchrun(tmp_path, cache_dir):
     for n in range(2):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
                "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-               "--rdzv-id=lost-node-test", "--max-restarts=0", "-m", "llamarl.launch", RECIPE,
+               "--rdzv-id=lost-node-test", "--max-restarts=0",
+               # node 0 hosts the rendezvous store, as the endpoint's own host would: both
+               # agents here match 127.0.0.1, and the first to bind hosted it, so on a loaded
+               # machine node 1 could win the race and take the store down with it
+               f"--rdzv-conf=is_host={int(n == 0)}", "-m", "llamarl.launch", RECIPE,
                f"run.output_dir={tmp_path}", "trainer.ranks=1", "generator.engines=3",
                "generator.prompts_per_step=48", f"run.steps={steps}", "run.eval_every=10",
                "data.eval_prompts=64"]

@@ -169,7 +169,8 @@ def model_inputs(batch: TokenBatch) -> dict[str, torch.Tensor]:
     use_cache=False). The sequence boundaries reach the attention (varlen_attention) through
     Hugging Face's attention keyword arguments: `llamarl_cu_seqlens` on the model's device
     where torch's varlen flash attention runs (with `llamarl_max_seqlen`, the longest
-    sequence), `llamarl_bounds` (CPU) elsewhere."""
+    sequence), `llamarl_bounds` (CPU) elsewhere. Shared prompts: the trees with their
+    position ids and their [N, 1, L, L] mask, which Hugging Face hands to sdpa as it is."""
     if batch.shared is not None:  # a 4-D mask goes to the attention as it is
         t = batch.shared
         return {"input_ids": t.input_ids, "position_ids": t.position_ids,
@@ -316,7 +317,7 @@ def _logprobs_through_head(model: torch.nn.Module, head: torch.nn.Linear, batch:
     forward or backward."""
     from llamarl.trainer.linear_logprobs import linear_logprobs
 
-    def head_forward(hidden: torch.Tensor) -> torch.Tensor:  # [B, T, H] -> [B, T-1, 2]
+    def head_forward(hidden: torch.Tensor) -> torch.Tensor:  # [B, T, H] -> scored [.., 2]
         w, b = head.weight, head.bias  # read now: FSDP2's unsharded parameters
         lp, ent = linear_logprobs(scored(batch, hidden), w, b, targets, temperature,
                                   span * targets.shape[0], entropy_grad)
