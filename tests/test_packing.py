@@ -124,12 +124,17 @@ def _update(extra: list[str], model_dir) -> tuple[dict, dict]:
     return stats, grads
 
 
-@pytest.mark.parametrize("alg", [
+# an outcome estimator, a sequence-level loss, PPO with its critic and a KL reward (two
+# mini-batches): the updates compared with padded rows (also by tests/test_shared_prompts.py)
+ALGORITHMS = pytest.mark.parametrize("alg", [
     ["algorithm.name=grpo"],
     ["algorithm.name=gspo", "algorithm.loss_agg=seq_mean_token_mean"],
     ["algorithm.name=ppo", "algorithm.kl_coef=0.1", "algorithm.kl_mode=reward",
      "algorithm.kl_estimator=k1", "algorithm.mini_batches=2", "critic.lr=1e-2"],
 ], ids=["grpo", "gspo", "ppo_kl"])
+
+
+@ALGORITHMS
 def test_packed_and_padded_updates_give_the_same_gradients(alg, tiny_model_dir):
     padded, g_padded = _update(alg, tiny_model_dir)
     packed, g_packed = _update(alg + PACKED, tiny_model_dir)

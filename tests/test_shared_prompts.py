@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_buffer import make_batch
-from test_packing import _update
+from test_packing import ALGORITHMS, _update
 
 from llamarl.buffer.record import RolloutBatch, Sample
 from llamarl.config import load_config
@@ -105,12 +105,7 @@ def test_shared_logprobs_equal_padded_ones(batch, chunk_mib):
         assert torch.allclose(p.grad, expect[n], rtol=1e-4, atol=1e-6), n
 
 
-@pytest.mark.parametrize("alg", [
-    ["algorithm.name=grpo"],
-    ["algorithm.name=gspo", "algorithm.loss_agg=seq_mean_token_mean"],
-    ["algorithm.name=ppo", "algorithm.kl_coef=0.1", "algorithm.kl_mode=reward",
-     "algorithm.kl_estimator=k1", "algorithm.mini_batches=2", "critic.lr=1e-2"],
-], ids=["grpo", "gspo", "ppo_kl"])
+@ALGORITHMS
 def test_shared_and_padded_updates_give_the_same_gradients(alg, tiny_model_dir, monkeypatch):
     from llamarl.trainer.policy import TokenBatch
 
