@@ -165,12 +165,14 @@ def test_auto_shares_prompts_where_the_flops_estimate_says_it_is_cheaper():
     assert cfg.trainer.share_prompts == "auto"
     mb = MicroBatching.of(cfg, tiny)
     short = pad_rollouts(_long_responses(16, 8, 11, 1, 12), 0)
-    assert mb.shared_is_cheaper(short.attention_mask.sum(1), short.prompt_lens, short.group_ids)
+    args = short.attention_mask.sum(1), short.prompt_lens, short.group_ids
+    assert mb.shared_is_cheaper(*args, by_group(torch.arange(len(args[0])), *args))
     big = SimpleNamespace(config=SimpleNamespace(hidden_size=512, intermediate_size=1536))
     cfg = load_config(None, ["trainer.micro_batch_size=32"])
     long = pad_rollouts(_long_responses(4, 8, 12, 64, 128), 0)
+    args = long.attention_mask.sum(1), long.prompt_lens, long.group_ids
     assert not MicroBatching.of(cfg, big).shared_is_cheaper(
-        long.attention_mask.sum(1), long.prompt_lens, long.group_ids)
+        *args, by_group(torch.arange(len(args[0])), *args))
     for extra in (["trainer.max_tokens_per_micro_batch=64"], ["model.attn_implementation=eager"]):
         assert MicroBatching.of(load_config(None, extra), tiny).share == "false"
     assert MicroBatching.of(load_config(None, SHARED), tiny).share == "true"

@@ -181,23 +181,20 @@ class MicroBatching:
                    share, 4.0 * h * h + 3.0 * h * i, 3 * 2.0 * h)
 
     def shared_is_cheaper(self, lens: torch.Tensor, prompt_lens: torch.Tensor,
-                          group_ids: torch.Tensor) -> bool:
+                          group_ids: torch.Tensor, grouped: torch.Tensor) -> bool:
         """For share = auto: whether the shared-prompt micro-batches of these rows cost less
         than the padded ones, by the FLOPs each computes: B x T tokens and B x T^2 attention
         pairs for a micro-batch of B rows padded to T; N x L and N x L^2 for N trees padded
-        to L (the dense mask computes the whole square either way)."""
+        to L (the dense mask computes the whole square either way). `grouped`: the rows'
+        indices in `by_group`'s order."""
         def cost(widths: list[int], counts: list[int]) -> float:
             return sum(c * w * (self.per_token + w * self.per_pair)
                        for w, c in zip(widths, counts))
 
         padded = [p.max() for p in torch.sort(lens, descending=True).values.split(self.rows)]
-        p = torch.minimum(prompt_lens.long(), lens.long())
         trees = []
-        for part in by_group(torch.arange(len(lens)), lens, p, group_ids).split(self.rows):
-            _, tree = torch.unique(group_ids[part], return_inverse=True)
-            zero = torch.zeros(int(tree.max()) + 1, dtype=torch.long)
-            t_len = (zero.index_add(0, tree, lens[part].long() - p[part])
-                     + zero.scatter_reduce(0, tree, p[part], "amax", include_self=False))
+        for part in grouped.split(self.rows):
+            _, t_len = tree_lengths(lens[part], prompt_lens[part], group_ids[part])
             trees.append((int(t_len.max()), len(t_len)))
         sizes = [len(x) for x in lens.split(self.rows)]
         return cost([w for w, _ in trees], [n for _, n in trees]) < cost(
@@ -219,9 +216,10 @@ def _cut(full: TokenBatch | None, idx: torch.Tensor, blank: TokenBatch,
         parts = [idx[torch.tensor(b)] for b in pack_bins(lens.tolist(), mb.max_tokens)]
     else:
         p, g = full.prompt_lens[idx], full.group_ids[idx]
-        share = mb.share == "true" or (mb.share == "auto" and mb.shared_is_cheaper(lens, p, g))
-        parts = list((by_group(idx, lens, p, g) if share else by_length(idx, lens))
-                     .split(mb.rows))
+        grouped = by_group(torch.arange(len(idx)), lens, p, g) if mb.share != "false" else None
+        share = mb.share == "true" or (mb.share == "auto"
+                                       and mb.shared_is_cheaper(lens, p, g, grouped))
+        parts = list((idx[grouped] if share else by_length(idx, lens)).split(mb.rows))
     cut = [(rows, full.take(rows).pack() if mb.max_tokens > 0
             else full.take(rows).share() if share else full.take(rows)) for rows in parts]
     count = torch.tensor([float(len(cut))])
@@ -248,14 +246,21 @@ def by_group(idx: torch.Tensor, lens: torch.Tensor, prompt_lens: torch.Tensor,
     after it: trainer/shared_prompts.py), longest first: cut into micro-batches of a fixed
     row count, a group of at most that many rows is one tree of one micro-batch, and each
     micro-batch is padded to nearly its own trees' length."""
-    p = torch.minimum(prompt_lens.long(), lens.long())
-    _, group = torch.unique(group_ids, return_inverse=True)
-    per_group = torch.zeros(int(group.max()) + 1 if len(group) else 0, dtype=torch.long)
-    tree_len = per_group.index_add(0, group, lens.long() - p)
-    tree_len += per_group.scatter_reduce(0, group, p, "amax", include_self=False)
+    group, tree_len = tree_lengths(lens, prompt_lens, group_ids)
     by_id = torch.sort(group, stable=True).indices
     order = by_id[torch.sort(tree_len[group[by_id]], descending=True, stable=True).indices]
     return idx[order]
+
+
+def tree_lengths(lens: torch.Tensor, prompt_lens: torch.Tensor,
+                 group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n] each row's group (0..G-1, by group id) and [G] each group's shared-prompt length:
+    its prompt once plus every row's tokens after it."""
+    p = torch.minimum(prompt_lens.long(), lens.long())
+    _, group = torch.unique(group_ids, return_inverse=True)
+    zero = torch.zeros(int(group.max()) + 1 if len(group) else 0, dtype=torch.long)
+    return group, (zero.index_add(0, group, lens.long() - p)
+                   + zero.scatter_reduce(0, group, p, "amax", include_self=False))
 
 
 def pack_bins(lens: list[int], budget: int) -> list[list[int]]:
