@@ -89,6 +89,14 @@ def child_env(**extra) -> dict:
     return env
 
 
+def rank_line(out: str, who: str) -> str | None:
+    """The line `llamarl: <who>: ...` in a launch's output, or None. The ranks share the
+    launcher's stderr, so it is looked for anywhere in a line: output a peer wrote without
+    its newline yet may come first."""
+    mark = f"llamarl: {who}"
+    return next((x[x.index(mark):] for x in out.splitlines() if mark in x), None)
+
+
 def torchrun(nproc: int, args: list[str], timeout: float, **env) -> subprocess.CompletedProcess:
     """Run `torchrun --standalone --nproc-per-node nproc ARGS` and capture its output."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, child_env, torchrun
+from conftest import ROOT, child_env, rank_line, torchrun
 
 pytestmark = pytest.mark.slow
 RECIPE = "recipes/tiny_grpo_cpu.yaml"
@@ -103,7 +103,8 @@ def test_failing_reward_function_stops_every_rank_naming_the_generator(tmp_path,
                     PYTHONPATH=Path(__file__).parent)
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
-    line = next(x for x in out.splitlines() if x.startswith("llamarl: rank 0 (trainer 0)"))
+    line = rank_line(out, "rank 0 (trainer 0)")
+    assert line is not None, out[-6000:]
     assert "rank 2 (generator 0)" in line and "user_rewards:broken" in line, line
     assert "ZeroDivisionError" in line
     assert time.monotonic() - t0 < 240

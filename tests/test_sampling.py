@@ -13,7 +13,7 @@ import sys
 import time
 
 import pytest
-from conftest import DIST, ROOT, child_env, torchrun
+from conftest import DIST, ROOT, child_env, rank_line, torchrun
 
 from llamarl.config import load_config
 from llamarl.generator.engine import sampler_seed
@@ -124,6 +124,6 @@ def test_kv_cache_below_one_sequence_stops_the_run_in_one_line(tmp_path, cache_d
                         "generator.prompts_per_step=8", "generator.kv_cache_gib=0.00001"],
                     timeout=300, LLAMARL_CACHE=cache_dir)
     assert proc.returncode != 0 and time.monotonic() - t0 < 120
-    line = next(x for x in proc.stderr.splitlines()
-                if x.startswith("llamarl: rank 2 (generator 0)"))
+    line = rank_line(proc.stderr, "rank 2 (generator 0)")
+    assert line is not None, proc.stderr[-4000:]
     assert "generator.kv_cache_gib = 1e-05 holds less than one sequence" in line, line

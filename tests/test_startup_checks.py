@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from conftest import torchrun
+from conftest import rank_line, torchrun
 
 from llamarl.config import TrainerConfig
 from llamarl.tiny.model import build_model
@@ -31,7 +31,7 @@ def _launch_fails(tmp_path, cache_dir, *overrides: str) -> str:
 @pytest.mark.slow
 def test_missing_model_path_is_named(tmp_path, cache_dir):
     out = _launch_fails(tmp_path, cache_dir, f"model.path={tmp_path}/no-such-model")
-    line = next((x for x in out.splitlines() if x.startswith("llamarl: rank 0 (trainer 0)")), None)
+    line = rank_line(out, "rank 0 (trainer 0)")
     assert line, out[-4000:]
     assert "no-such-model" in line and "config.json" in line, line
 
@@ -40,8 +40,7 @@ def test_missing_model_path_is_named(tmp_path, cache_dir):
 def test_prompt_plus_response_longer_than_the_engine_context(tmp_path, cache_dir):
     out = _launch_fails(tmp_path, cache_dir, "generator.max_model_len=16",
                         "generator.max_new_tokens=12")
-    line = next((x for x in out.splitlines()
-                 if x.startswith("llamarl: rank 2 (generator 0)")), None)
+    line = rank_line(out, "rank 2 (generator 0)")
     assert line, out[-4000:]
     assert "generator.max_model_len 16" in line and "at least 20" in line, line
 

@@ -16,6 +16,7 @@ import traceback
 from llamarl.config import load_config
 from llamarl.launch.dist_env import from_environ
 from llamarl.launch.layout import compute_layout
+from llamarl.launch.watchdog import say
 
 SILENT_RANK_GRACE_S = 3.0
 
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                                     cfg.generator.engines, cfg.generator.tp)
     except ValueError as e:
         if env is None or env.local_rank == 0:
-            print(f"llamarl: error: {e}", file=sys.stderr, flush=True)
+            say(f"llamarl: error: {e}")
         else:
             # Every rank finds the same error; local rank 0 alone says it. torchrun kills the
             # survivors within its 0.1 s monitor interval once any rank exits, so the silent
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rt = setup(cfg, layout, env, joining=incarnation)
     except SetupError as e:  # reported to the peers when a store was reached
-        print(f"llamarl: rank {env.rank}: error: {e}", file=sys.stderr, flush=True)
+        say(f"llamarl: rank {env.rank}: error: {e}")
         time.sleep(SILENT_RANK_GRACE_S)  # the peers read the report from the store first
         os._exit(1)  # a given-up store handshake may still hold a thread
     if rt.joining:  # until it is back (generator/loop.py: rejoin), a lost store ends it well
@@ -152,8 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         message = f"{dead}; stopping ({error})" if dead else error
         rt.watchdog.report_failure(message)
-        print(f"llamarl: {rt.watchdog.role_name(env.rank)}: {message}", file=sys.stderr,
-              flush=True)
+        say(f"llamarl: {rt.watchdog.role_name(env.rank)}: {message}")
         rt.cleanup_shared_memory()
         os._exit(1)
     rt.watchdog.stop()

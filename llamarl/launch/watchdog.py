@@ -158,8 +158,7 @@ class Watchdog:
             return  # (a signal handler, while this thread was leaving: it goes on leaving)
         with self._leaving:
             self._leaving_thread = threading.current_thread()
-            print(f"llamarl: {self.role_name(self.rank)}: {cause}: {line}", file=sys.stderr,
-                  flush=True)
+            say(f"llamarl: {self.role_name(self.rank)}: {cause}: {line}")
             if mark:  # (the peers' line names the rank that died, not this one). At most 5 s:
                 # with the store gone a new connection would retry for sync.timeout_s
                 marking = threading.Thread(target=self._mark_left, args=(cause,),
@@ -360,8 +359,7 @@ class Watchdog:
         """Say `cause`, record it for the peers (first report wins), clean up, end the
         process. The line goes out first: once the peers read the report they exit, and
         torchrun then kills this process within its 0.1 s monitor interval."""
-        print(f"llamarl: {self.role_name(self.rank)}: {prefix}{cause}", file=sys.stderr,
-              flush=True)
+        say(f"llamarl: {self.role_name(self.rank)}: {prefix}{cause}")
         if store is not None:
             try:
                 store.compare_set("failed", "", cause)
@@ -374,6 +372,25 @@ class Watchdog:
             except Exception:
                 pass
         os._exit(code)
+
+
+def say(line: str) -> None:
+    """Write `line` to stderr in one write(2): a process's last line. The ranks of a node
+    share the launcher's stderr, and one write of a line (under PIPE_BUF, 4 KiB) reaches a
+    pipe whole, never split by another rank's output. It bypasses sys.stderr's buffer, so
+    the SIGTERM handler may say it while this thread was inside a print (the buffered
+    stream would raise 'reentrant call' there and the line would be lost); a partial line
+    still in that buffer stays there (the process ends with os._exit)."""
+    data = (line + "\n").encode(errors="replace")
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # (a captured stream: in-process tests)
+        print(line, file=sys.stderr, flush=True)
+        return
+    try:
+        os.write(fd, data)
+    except OSError:  # stderr is gone (a closed pipe): the exit code still tells
+        pass
 
 
 def _alive(pid: int) -> bool:
