@@ -146,6 +146,16 @@ def prepare_environment(world: EngineWorld | None, on_cpu: bool) -> None:
         os.environ[PREFIX_ENV] = world.shm_prefix or f"llamarl-tp{world.master_port}-"
 
 
+def import_vllm(world: EngineWorld | None, on_cpu: bool) -> None:
+    """Import vLLM with the environment it reads at import (its logging level). A generator
+    rank calls it before it waits for the model, so the import (~10 s of CPU, a third of a tiny
+    model's launch on 2 cores) overlaps the trainers' start. The patches of cpu_fixes, applied
+    at engine start, set names the patched modules look up at each call, so they take effect
+    after the import too."""
+    prepare_environment(world, on_cpu)
+    from vllm import LLM  # noqa: F401
+
+
 class Engine:
     """A vLLM engine in this process.
 

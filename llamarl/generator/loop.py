@@ -42,7 +42,7 @@ from llamarl.data.dataset import PromptData, load_prompt_data
 from llamarl.data.prompts import PromptFormatter
 from llamarl.generator.continuous import run_continuous
 from llamarl.generator.cpu_fixes import cpu_shm_prefix, unlink_cpu_shm
-from llamarl.generator.engine import Engine, EngineWorld, sampler_seed
+from llamarl.generator.engine import Engine, EngineWorld, import_vllm, sampler_seed
 from llamarl.generator.evaluate import Evaluator
 from llamarl.generator.slots import SlotSet
 from llamarl.generator.tp import EngineCommands, follow_leader
@@ -183,10 +183,14 @@ def rejoin(rt: Runtime, weights: WeightFollower, first_sync: int) -> None:
 def run_generator(rt: Runtime) -> None:
     cfg = rt.cfg
     data = read_prompt_data(rt)
-    model_path = rt.wait_key("model/path")
     t0 = time.perf_counter()
     threads = threads_for(cfg, rt.layout, rt.role.rank) if rt.on_cpu else 0
     world = engine_world(rt)
+    # vLLM's import (~10 s of CPU) runs while the trainers build or load the model, not after
+    import_vllm(world, rt.on_cpu)
+    t_wait = time.perf_counter()
+    model_path = rt.wait_key("model/path")
+    t0 += time.perf_counter() - t_wait  # ("engine up in": without the wait for the model)
     if world is None or not rt.on_cpu:
         return run_engine(rt, data, model_path, threads, t0, world)
     # tp > 1 on CPU: vLLM's all-reduce segments (generator/cpu_fixes.py) go however this rank
