@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -59,11 +60,11 @@ def test_two_tp2_engines_one_lost_and_replaced(tmp_path, cache_dir):
     Then the supervisor of engine 1's tp rank 0 (launch/supervisor.py: torchrun keeps the job)
     starts a replacement of both ranks, as `--join RUN_DIR` does: it receives resharded
     weights from its first sync and takes slot 1 back. The run completes every step at the
-    same batch size."""
-    # ~0.3 s each with one engine left: the replacement's start (python, vLLM, two ranks) on
-    # 2 cores shared with the job's 4 busy ranks took 40-60 s, and 150 steps were not always
-    # enough for it to be back before the job ended
-    steps = 300
+    same batch size, until the test stops it (RUN_DIR/stop: trainer/stop.py) a few steps after
+    the replacement is back: both trainer ranks end at the same step, as at run.steps."""
+    # an upper bound: the replacement's start (python, vLLM, two ranks) on 2 cores shared with
+    # the job's 4 busy ranks takes 40-60 s, some 150-200 steps of ~0.3 s with one engine left
+    steps = 2000
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=6",
            "-m", "llamarl.launch", RECIPE, f"run.steps={steps}", "generator.engines=2",
            "sync.max_staleness=1", "algorithm.correction=aipo", SOLO,
@@ -79,7 +80,9 @@ def test_two_tp2_engines_one_lost_and_replaced(tmp_path, cache_dir):
         ranks = [json.loads(x) for x in (run / "ranks.jsonl").read_text().splitlines()]
         (pid,) = [r["pid"] for r in ranks if r["rank"] == 5]  # engine 1, tp rank 1
         os.kill(pid, signal.SIGKILL)
-        job.wait(timeout=900)
+        _wait_until_back(run, job, then=3)
+        (run / "stop").touch()
+        job.wait(timeout=300)
     finally:
         job.kill()
         log.close()
@@ -87,7 +90,10 @@ def test_two_tp2_engines_one_lost_and_replaced(tmp_path, cache_dir):
     assert job.returncode == 0, out[-6000:]
     print(*[x for x in out.splitlines() if "llamarl:" in x or "slot" in x or "replac" in x],
           sep="\n")
-    rows = _check_run(tmp_path, steps, engines=2)  # both slots in every step
+    stopped = len((run / "metrics.jsonl").read_text().splitlines())
+    assert stopped < steps and f"stopping at step {stopped} of {steps}" in out, out[-3000:]
+    assert not (run / "stop").exists()  # (read once: a resume would go on)
+    rows = _check_run(tmp_path, stopped, engines=2)  # both slots in every step
     assert all(r["staleness_max"] <= 1 for r in rows)
     assert all(rows[-1]["behaviour_version_by_engine"][e] >= 2 for e in ("0", "1"))
     assert "rank 4 (generator 1): rank 5 (generator 1 (tp rank 1)) died" in out, out[-3000:]
@@ -108,6 +114,20 @@ def test_two_tp2_engines_one_lost_and_replaced(tmp_path, cache_dir):
     assert live[0] == 2 and 1 in live and live[-1] == 2, live
     # the run's, and its engines' (the killed rank's too: its mate removed them as it left)
     assert set(Path("/dev/shm").glob("llamarl_*")) <= segments
+
+
+def _wait_until_back(run: Path, job: subprocess.Popen, then: int) -> None:
+    """Until metrics.jsonl shows the engines live dropping below 2 and back at 2 for `then`
+    steps."""
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        assert job.poll() is None, "the job ended before the replacement was back"
+        live = [json.loads(x).get("engines_live") for x in
+                (run / "metrics.jsonl").read_text().splitlines()]
+        if 1 in live and live[-then:] == [2] * then and live.index(1) < len(live) - then:
+            return
+        time.sleep(0.5)
+    raise AssertionError("the replacement was not back within 600 s")
 
 
 def test_multi_turn_episodes_in_continuous_mode_with_tp(tmp_path, cache_dir):

@@ -45,6 +45,7 @@ from llamarl.trainer.policy import DTYPES, load_policy
 from llamarl.trainer.reward_model import build_reward_model
 from llamarl.trainer.rl_step import policy_step
 from llamarl.trainer.step import PolicyTrainer
+from llamarl.trainer.stop import StopRequest
 from llamarl.trainer.weight_members import EngineMembers, FileMembers
 
 TRAINER_BACKEND = {"cuda": "cpu:gloo,cuda:nccl", "cpu": "gloo"}
@@ -188,6 +189,7 @@ def run_trainer(rt: Runtime) -> None:
             write_run_files(rt, model_path)
         sender.publish(model, version)  # generators continue from the restored policy
     run_t0 = time.perf_counter()
+    stop = StopRequest(rt.store, rt.run_dir, r)
     for step in range(version, cfg.run.steps):
         t_step = time.perf_counter()
         waits = [ch.wait_s for ch in channels]
@@ -213,7 +215,10 @@ def run_trainer(rt: Runtime) -> None:
 
         t0 = time.perf_counter()
         version += 1
-        last = step + 1 == cfg.run.steps
+        last = step + 1 == cfg.run.steps or stop.ends_at(version)  # (RUN_DIR/stop)
+        if last and version < cfg.run.steps and r == 0:
+            log(rt, f"stopping at step {version} of {cfg.run.steps}: {stop.path} asked for it "
+                    "(run.resume=auto continues the run)")
         if last and r == 0:
             rt.store.set("trainer/final_version", str(version))  # generators stop after it
         if last or version % cfg.sync.every == 0:
@@ -286,14 +291,16 @@ def run_trainer(rt: Runtime) -> None:
             row["skipped_step"] = 1
         if metrics is not None:
             metrics.write(row)
-            if (step + 1) % cfg.run.log_every == 0 or step + 1 == cfg.run.steps:
+            if (step + 1) % cfg.run.log_every == 0 or last:
                 log(rt, metrics.line(row, cfg.run.steps))
+        if last:
+            break
 
     sender.wait()
     final_dir = rt.run_dir / "policy"
     save_policy(model, model_path, final_dir, r == 0, DTYPES[cfg.model.dtype])
     if r == 0:
-        summarize(rt, final_dir)
+        summarize(rt, final_dir, version)
 
 
 def drop_stale(batch: RolloutBatch, version: int, max_staleness: int):
@@ -323,8 +330,8 @@ def save_policy(model: torch.nn.Module, src_dir: str, out_dir: Path, writer: boo
     dist.barrier()
 
 
-def summarize(rt: Runtime, final_dir: Path) -> None:
-    after = json.loads(rt.wait_key(f"eval/result/{rt.cfg.run.steps}"))
+def summarize(rt: Runtime, final_dir: Path, version: int) -> None:
+    after = json.loads(rt.wait_key(f"eval/result/{version}"))
     before = json.loads((rt.run_dir / "eval.jsonl").read_text().splitlines()[0])
     r = rt.cfg.reward
     what = " of the reward functions" if r.model_path and r.model_placement == "trainer" else ""
