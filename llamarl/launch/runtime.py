@@ -365,6 +365,10 @@ def _resume_point(cfg: Config) -> Path | None:
         print(f"llamarl: run.resume=auto found no complete checkpoint of '{cfg.run.name}' under "
               f"{cfg.run.output_dir}: starting a new run", file=sys.stderr, flush=True)
         return None
+    version = json.loads((found / "meta.json").read_text())["policy_version"]
+    if version >= cfg.run.steps:  # (found here, before any rank starts its model or engine)
+        raise ValueError(f"the checkpoint {found} is at step {version}, already run.steps = "
+                         f"{cfg.run.steps}: raise run.steps to continue")
     return _continue_from(found)
 
 
