@@ -335,10 +335,12 @@ def test_a_port_held_by_another_job_or_program_is_a_one_line_error(tmp_path, cac
     job_a = [_slurm_rank(r, 1, port, tmp_path / "a", cache_dir, steps=200) for r in range(3)]
     try:
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline:  # every rank of job A is set up (its store is up)
             runs = run_dirs(tmp_path / "a")
-            if runs and (runs[0] / "metrics.jsonl").exists():
+            ranks = runs[0] / "ranks.jsonl" if runs else None
+            if ranks and ranks.exists() and len(ranks.read_text().splitlines()) == 3:
                 break
+            assert all(p.poll() is None for p in job_a), job_a[0].communicate()[0][-3000:]
             time.sleep(0.5)
         t0 = time.monotonic()
         job_b = [_slurm_rank(r, 2, port, tmp_path / "b", cache_dir) for r in range(3)]
