@@ -346,7 +346,7 @@ def _restart_point(cfg: Config, env: DistEnv, raw) -> tuple[Path | None, Path | 
         print(f"llamarl: restart {env.restart} of the job: resuming from {found} by itself "
               f"(a checkpoint every run.checkpoint_every = {cfg.run.checkpoint_every} steps)",
               file=sys.stderr, flush=True)
-        return _continue_from(found), None
+        return _continue_from(found, cfg.run.steps), None
     if run_dir is not None and run_dir.is_dir():
         truncate_after(run_dir, -1)  # nothing to keep: start over in the same directory
         print(f"llamarl: restart {env.restart} of the job: no complete checkpoint yet, "
@@ -365,15 +365,16 @@ def _resume_point(cfg: Config) -> Path | None:
         print(f"llamarl: run.resume=auto found no complete checkpoint of '{cfg.run.name}' under "
               f"{cfg.run.output_dir}: starting a new run", file=sys.stderr, flush=True)
         return None
-    version = json.loads((found / "meta.json").read_text())["policy_version"]
-    if version >= cfg.run.steps:  # (found here, before any rank starts its model or engine)
-        raise ValueError(f"the checkpoint {found} is at step {version}, already run.steps = "
-                         f"{cfg.run.steps}: raise run.steps to continue")
-    return _continue_from(found)
+    return _continue_from(found, cfg.run.steps)
 
 
-def _continue_from(found: Path) -> Path:
-    """Make the run directory of checkpoint `found` ready to continue from it."""
+def _continue_from(found: Path, steps: int) -> Path:
+    """Make the run directory of checkpoint `found` ready to continue from it (up to `steps`,
+    run.steps): checked before any file changes and before any rank starts its model."""
+    meta = json.loads((found / "meta.json").read_text())
+    if meta["policy_version"] >= steps:
+        raise ValueError(f"the checkpoint {found} is at step {meta['policy_version']}, already "
+                         f"run.steps = {steps}: raise run.steps to continue")
     from llamarl.trainer.checkpoint import remove_partials
 
     for partial in remove_partials(found.parent.parent):  # the run we continue in
@@ -381,7 +382,7 @@ def _continue_from(found: Path) -> Path:
               file=sys.stderr, flush=True)
     from llamarl.trainer.metrics import truncate_after
 
-    step = json.loads((found / "meta.json").read_text())["step"]
+    step = meta["step"]
     dropped = truncate_after(found.parent.parent, step)
     if dropped:
         print(f"llamarl: dropped {dropped} metrics/eval row(s) after step {step} from the "

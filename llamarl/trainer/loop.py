@@ -180,10 +180,7 @@ def run_trainer(rt: Runtime) -> None:
     if resume:
         meta = checkpoint.load(Path(resume["checkpoint"]), model, trainer.opt, trainer.sched,
                                critic)
-        version = meta["policy_version"]
-        if version >= cfg.run.steps:
-            raise ValueError(f"the checkpoint {resume['checkpoint']} is at step {version}, "
-                             f"already run.steps = {cfg.run.steps}: raise run.steps to continue")
+        version = meta["policy_version"]  # (below run.steps: launch/runtime.py checked)
         log(rt, f"resumed from {resume['checkpoint']} at step {meta['step']}")
         if r == 0:  # only now: a resume that fails leaves the run's files as they were
             write_run_files(rt, model_path)
