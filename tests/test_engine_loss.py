@@ -88,26 +88,29 @@ def _stop_a_replacement_by_hand(run: Path, cache_dir, tmp_path: Path) -> None:
             "goes on without its engine") in text, text[-3000:]
 
 
-def _stop_once_back(run: Path, engines: int, min_steps: int = 0) -> threading.Thread:
-    """A thread that touches RUN_DIR/stop once metrics.jsonl shows an engine lost and the
-    engines live back at `engines` for BACK_FOR steps (and `min_steps` steps run): the run
-    then ends after its next step, as at run.steps. (A thread, so that the caller reads the
-    ranks' pipes meanwhile.)"""
+def back_for(run: Path, engines: int, steps: int, min_steps: int = 0) -> bool:
+    """Whether metrics.jsonl shows an engine lost and the engines live back at `engines` for
+    the last `steps` steps (and at least `min_steps` steps run)."""
+    live = [json.loads(x).get("engines_live")
+            for x in (run / "metrics.jsonl").read_text().splitlines()]
+    lost = [i for i, n in enumerate(live) if n is not None and n < engines]
+    return bool(lost) and len(live) >= max(min_steps, lost[-1] + 1 + steps) and \
+        live[-steps:] == [engines] * steps
+
+
+def _stop_once_back(run: Path, engines: int, min_steps: int = 0) -> None:
+    """Touch RUN_DIR/stop, from a thread (the caller reads the ranks' pipes meanwhile), once
+    the replacement has been back for BACK_FOR steps (back_for): the run then ends after its
+    next step, as at run.steps."""
     def watch() -> None:
         deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            text = (run / "metrics.jsonl").read_text()
-            live = [json.loads(x).get("engines_live") for x in text.splitlines()]
-            lost = [i for i, n in enumerate(live) if n is not None and n < engines]
-            if lost and len(live) >= max(min_steps, lost[-1] + 1 + BACK_FOR) and \
-                    live[-BACK_FOR:] == [engines] * BACK_FOR:
-                (run / "stop").touch()
-                return
+        while not back_for(run, engines, BACK_FOR, min_steps):
+            if time.monotonic() > deadline:
+                return  # (the run then goes to run.steps, which the test's checks reject)
             time.sleep(0.2)
+        (run / "stop").touch()
 
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    return thread
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def _lose_and_replace(procs, tmp_path: Path, cache_dir, lose, engines: int = 2,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, child_env, torchrun
 from test_async_e2e import SMALL, SOLO, metrics_of, two_host_launch
-from test_engine_loss import _wait_for_rows
+from test_engine_loss import _wait_for_rows, back_for
 
 pytestmark = pytest.mark.slow
 RECIPE = "recipes/tiny_grpo_tp2_cpu.yaml"
@@ -122,9 +122,7 @@ def _wait_until_back(run: Path, job: subprocess.Popen, then: int) -> None:
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         assert job.poll() is None, "the job ended before the replacement was back"
-        live = [json.loads(x).get("engines_live") for x in
-                (run / "metrics.jsonl").read_text().splitlines()]
-        if 1 in live and live[-then:] == [2] * then and live.index(1) < len(live) - then:
+        if back_for(run, 2, then):
             return
         time.sleep(0.5)
     raise AssertionError("the replacement was not back within 600 s")
