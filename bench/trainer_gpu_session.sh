@@ -21,6 +21,10 @@
 #   r16        16384-token micro-batches, budget 0.8 (the recipe before 2026-11-26), profiled
 #   r16_rowbound  r16 with the varlen kernel told the row's length as its longest sequence
 #   amb09_16k, nob16k (no budget), amb07_32k, amb06_32k  around the recipe's settings
+#   combo      the recipe's settings (amb09_16k), inductor's combo kernels (fewer launches
+#              in the host-bound backward)
+#   expseg     amb09_16k with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+#   amb095_16k budget 0.95; amb08_24k 24576-token micro-batches (3 per update), budget 0.8
 # (Inductor's C++ wrapper, tried with --torch-config torch._inductor.config.cpp_wrapper=True,
 # does not compile the varlen attention op in torch 2.11.)
 #
@@ -58,9 +62,9 @@ COMMON=(--model 0.5b --dtype bfloat16 --seqs 64 --prompt-len 256 --completion-le
 variant() {  # label, seconds, PYTHONPATH prefix, bench arguments...
   local label=$1 limit=$2 prefix=$3
   shift 3
-  echo "== $label: $*" | tee -a "$LOG"
+  echo "== $label: $* ${VENV[$label]:-}" | tee -a "$LOG"
   local t0=$SECONDS
-  PYTHONPATH=$prefix$PYTHONPATH TORCH_LOGS=graph_breaks,recompiles timeout "$limit" \
+  env ${VENV[$label]:-} PYTHONPATH=$prefix$PYTHONPATH TORCH_LOGS=graph_breaks,recompiles timeout "$limit" \
     torchrun --standalone --nproc-per-node 1 bench/trainer_throughput.py "${COMMON[@]}" \
     --label "$label" "$@" >"$OUT/$label.out" 2>"$OUT/$label.err"
   local rc=$?
@@ -106,6 +110,14 @@ declare -A ARGS=(
   [nob16k]="--variant packed --budget 16384"
   [amb07_32k]="--variant packed --budget 32768 $AMB=0.7"
   [amb06_32k]="--variant packed --budget 32768 $AMB=0.6"
+  [combo]="--variant packed --budget 16384 $AMB=0.9 --torch-config torch._inductor.config.combo_kernels=True"
+  [expseg]="--variant packed --budget 16384 $AMB=0.9"
+  [amb095_16k]="--variant packed --budget 16384 $AMB=0.95"
+  [amb08_24k]="--variant packed --budget 24576 $AMB=0.8"
+)
+# variant name -> environment variables for its process
+declare -A VENV=(
+  [expseg]="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 )
 NAMES=("$@")
 [ ${#NAMES[@]} -gt 0 ] || NAMES=(recipe r16_rowbound amb08_16k nob16k amb07_32k padded)
