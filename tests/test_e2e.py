@@ -26,8 +26,12 @@ def run_dirs(out: Path) -> list[Path]:
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, cache_dir):
+    """The default recipe, 3 steps, with model.dtype=bfloat16: engines and the trainer's
+    forward/backward in bf16 over float32 master weights, weights sent as bf16 (half the
+    bytes), the exported policy in bf16. (float32, the default, runs on-policy to the bit in
+    test_resume.py and with mismatch_kl < 1e-4 in test_engine_loss.py.)"""
     out = tmp_path_factory.mktemp("runs")
-    cmd = [sys.executable, "-m", "llamarl.launch", RECIPE, "run.steps=3",
+    cmd = [sys.executable, "-m", "llamarl.launch", RECIPE, "run.steps=3", "model.dtype=bfloat16",
            f"run.output_dir={out}", *SMALL]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, env=child_env(LLAMARL_CACHE=cache_dir),
@@ -49,7 +53,8 @@ def test_launch_writes_the_run_directory(finished_run):
                     "generate_s", "transfer_s", "train_s", "sync_s"):
             assert key in r, key
         assert 0.0 <= r["reward_mean"] <= 1.0 and r["tokens_generated"] > 0
-        assert r["mismatch_kl"] < 1e-4, "engine and trainer disagree after weight syncs"
+        # the engine samples from exactly the trainer's weights, up to bf16 rounding
+        assert r["mismatch_kl"] < 1e-3, "engine and trainer disagree after weight syncs"
     assert [r["policy_version"] for r in rows] == [1, 2, 3]
     evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [0, 2, 3]
@@ -60,10 +65,12 @@ def test_launch_writes_the_run_directory(finished_run):
 
 def test_final_policy_loads_in_transformers(finished_run):
     import torch
+    from safetensors import safe_open
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     policy = finished_run[0] / "policy"
-    assert (policy / "model.safetensors").is_file()
+    with safe_open(str(policy / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
     model = AutoModelForCausalLM.from_pretrained(policy)
     tok = AutoTokenizer.from_pretrained(policy)
     ids = torch.tensor([[tok.bos_token_id] + tok.encode("abc=", add_special_tokens=False)])
@@ -112,7 +119,9 @@ def test_failing_reward_function_stops_every_rank_naming_the_generator(tmp_path,
     assert not list(Path("/dev/shm").glob(f"llamarl_{run.name.split('-', 2)[-1]}*"))
 
 
-@pytest.mark.parametrize("victim", ["generator 0", "trainer 1"])
+# (a killed trainer: test_resume.py kills trainer 0 in a checkpoint write, with the same checks,
+# and trainer 1 under torchrun --max-restarts)
+@pytest.mark.parametrize("victim", ["generator 0"])
 def test_killed_rank_stops_every_rank_with_a_named_error(tmp_path, cache_dir, victim):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
            "-m", "llamarl.launch", RECIPE, "run.steps=100000", f"run.output_dir={tmp_path}",
@@ -249,53 +258,6 @@ def test_every_cpu_recipe_runs_a_few_steps(recipes, tmp_path, cache_dir):
         assert all(math.isfinite(r["loss"]) for r in rows), recipe
 
 
-def test_bfloat16_compute_with_float32_master_weights(tmp_path, cache_dir):
-    """model.dtype=bfloat16: engines and the trainer's forward/backward in bf16, float32 master
-    weights, weights sent as bf16 (half the bytes), the exported policy in bf16."""
-    import torch
-    from safetensors import safe_open
-
-    out = tmp_path / "runs"
-    cmd = [sys.executable, "-m", "llamarl.launch", RECIPE, "run.steps=3", "model.dtype=bfloat16",
-           f"run.output_dir={out}", *SMALL]
-    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(LLAMARL_CACHE=cache_dir),
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    (run,) = run_dirs(out)
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    # the engine samples from exactly the trainer's weights, up to bf16 rounding
-    assert all(r["mismatch_kl"] < 1e-3 for r in rows), [r["mismatch_kl"] for r in rows]
-    with safe_open(str(run / "policy" / "model.safetensors"), "pt") as f:
-        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
-
-
-def test_sigterm_to_the_launcher_says_the_job_was_stopped(tmp_path, cache_dir):
-    """scancel / kill of torchrun: every rank says the job was stopped (not that a peer
-    failed), exits, and leaves no shared memory behind."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
-           "-m", "llamarl.launch", RECIPE, "run.steps=200", "run.eval_every=0",
-           f"run.output_dir={tmp_path}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(LLAMARL_CACHE=str(cache_dir)),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:  # until training has started
-            runs = run_dirs(tmp_path)
-            if runs and (runs[0] / "metrics.jsonl").exists():
-                break
-            time.sleep(0.5)
-        run_id = runs[0].name.split("-", 2)[-1]
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode != 0
-    assert "stopped by the launcher (SIGTERM): the job was stopped" in err, err[-3000:]
-    assert "a peer failed" not in err
-    assert not list(Path("/dev/shm").glob(f"llamarl_{run_id}*"))
-
-
 @pytest.mark.parametrize("override, expected", [
     ("run.output_dir=/proc/llamarl-test", "cannot set up the run directory under "
                                           "run.output_dir '/proc/llamarl-test'"),
@@ -325,14 +287,16 @@ def _slurm_rank(rank: int, job: int, port: int, out: Path, cache_dir, steps: int
 def test_a_port_held_by_another_job_or_program_is_a_one_line_error(tmp_path, cache_dir):
     """Slurm-style launch on a MASTER_PORT that another job's store (or another program)
     holds: every rank of the second job fails in one line within seconds, and the first job
-    is left alone (its ranks.jsonl gains nobody)."""
+    is left alone (its ranks.jsonl gains nobody). Then the first job is stopped as scancel
+    (or a SIGTERM to torchrun, which passes it on) stops one: SIGTERM to every rank, and each
+    says the job was stopped (not that a peer failed), exits, and leaves no shared memory."""
     import socket
     import threading
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    job_a = [_slurm_rank(r, 1, port, tmp_path / "a", cache_dir, steps=200) for r in range(3)]
+    job_a = [_slurm_rank(r, 1, port, tmp_path / "a", cache_dir, steps=2000) for r in range(3)]
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:  # every rank of job A is set up (its store is up)
@@ -353,10 +317,23 @@ def test_a_port_held_by_another_job_or_program_is_a_one_line_error(tmp_path, cac
         (run_a,) = run_dirs(tmp_path / "a")
         assert len((run_a / "ranks.jsonl").read_text().splitlines()) == 3
         assert all(p.poll() is None for p in job_a), "job A goes on"
+        deadline = time.monotonic() + 120
+        while not (run_a / "metrics.jsonl").exists():  # until job A trains
+            assert time.monotonic() < deadline and all(p.poll() is None for p in job_a)
+            time.sleep(0.5)
+        for p in job_a:
+            p.send_signal(signal.SIGTERM)
+        outs_a = [p.communicate(timeout=60)[0] for p in job_a]
     finally:
         for p in job_a:
-            p.kill()
-            p.communicate()
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for p, out in zip(job_a, outs_a):
+        assert p.returncode != 0
+        assert "stopped by the launcher (SIGTERM): the job was stopped" in out, out[-3000:]
+        assert "a peer failed" not in out
+    assert not list(Path("/dev/shm").glob(f"llamarl_{run_a.name.split('-', 2)[-1]}*"))
     # a program that accepts connections and never answers
     server = socket.socket()
     server.bind(("127.0.0.1", 0))

@@ -197,6 +197,7 @@ def setup(cfg: Config, layout: Layout, env: DistEnv, joining: str = "") -> Runti
     watchdog = Watchdog(make_store, env.rank, layout, cfg.sync.dead_peer_s,
                         excuse=engine_loss_excuse(cfg, layout, device),
                         can_lose=engine_loss_allowed(cfg, layout, device))
+    watchdog.hosts_store = hosts_store
     watchdog.start()
 
     if env.rank == 0:

@@ -37,6 +37,9 @@ from collections.abc import Callable
 from llamarl.launch.layout import Layout
 
 HEARTBEAT_S = 1.0
+# how long the store's host, stopped by SIGTERM, waits for its peers to mark themselves
+# stopped before it ends (and the store with it): Watchdog._linger_for_peers
+SIGTERM_LINGER_S = 2.0
 
 
 class Watchdog:
@@ -78,6 +81,9 @@ class Watchdog:
         self.replacement_not_back: Callable[[], bool] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # whether this process hosts the job's store (rank 0 without torchrun's agent store:
+        # srun), which its peers can no longer read once it has ended
+        self.hosts_store = False
 
     def role_name(self, rank: int) -> str:
         return f"rank {rank} ({self.layout.role_of(rank).name})"
@@ -237,6 +243,8 @@ class Watchdog:
         try:
             store = self._store_main()
             store.set(f"done/{self.rank}", "terminated")  # a casualty, not the cause
+            if self.hosts_store:
+                self._linger_for_peers(store)
             gone = self._gone_peer(store)
             if gone is not None:
                 why = f"{self.role_name(gone)} died (process {self._peers_proc[gone]} is gone)"
@@ -245,6 +253,21 @@ class Watchdog:
         except Exception:
             pass
         self._die(why, store, code=143, prefix="stopped by the launcher (SIGTERM): ")
+
+    def _linger_for_peers(self, store) -> None:
+        """The store's host, stopped by SIGTERM: wait (at most SIGTERM_LINGER_S) until every
+        peer has marked how it ended or is gone. scancel signals every task at once; a peer
+        that looked at the store after this process had ended would find the store and its
+        host gone, and name this rank's death as the cause of a job that was only stopped."""
+        peers = [r for r in range(self.layout.world_size) if r != self.rank]
+        deadline = time.monotonic() + SIGTERM_LINGER_S
+        while time.monotonic() < deadline:
+            waiting = [r for r in peers if not store.check([f"done/{r}"])
+                       and (self._peers_proc.get(r, -1) <= 0
+                            or _alive(self._peers_proc[r]))]
+            if not waiting:
+                return
+            time.sleep(0.05)
 
     def _run(self) -> None:
         store = self._store
