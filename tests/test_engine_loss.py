@@ -145,12 +145,12 @@ def _stopped_rows(run: Path, out: str) -> list[dict]:
 
 
 def _check_loss_and_replacement(run: Path, out: str, engine0: str, trainer: str,
-                                replacement: str, on_policy: bool) -> None:
+                                replacement: str) -> None:
     """Engine 1 was lost and replaced: engine 0 made slot 1's batches meanwhile and handed it
-    back; the run completed every step at the same batch size, the evaluation went on, and no
-    shared memory was left. On-policy every engine, the replacement included, sampled with
-    the trainer's current weights (the engine's and the trainer's logprobs agree);
-    off-policy, over at least MIN_STEPS steps, the held-out reward still rose."""
+    back; the run completed every step at the same batch size, within the staleness bound,
+    the evaluation went on and the held-out reward still rose over at least MIN_STEPS steps
+    (off-policy), and no shared memory was left. (On-policy, where every engine's logprobs
+    must be the trainer's: tests/test_tp.py.)"""
     print(*[x for x in out.splitlines() if "slot" in x or "replac" in x], sep="\n")
     assert "rank 2 (generator 1) died" in out and "goes on with 1 of 2 engines" in out, out[-3000:]
     assert "took over slot 1 at batch" in engine0, engine0[-3000:]
@@ -160,21 +160,14 @@ def _check_loss_and_replacement(run: Path, out: str, engine0: str, trainer: str,
     assert "sending weights to replacement engine 1" in trainer
 
     rows = _stopped_rows(run, out)
-    # every step trained both slots' groups (on-policy in batch mode): the batch never
-    # changed size
+    # every step trained both slots' groups: the batch never changed size
     assert all(sorted(r["behaviour_version_by_engine"]) == ["0", "1"] for r in rows), rows
-    if on_policy:
-        assert all(r["policy_version"] - 1 == min(r["behaviour_version_by_engine"].values())
-                   for r in rows)
-        assert all(r["mismatch_kl"] < 1e-4 for r in rows), [r["mismatch_kl"] for r in rows]
-    else:
-        assert all(r["staleness_max"] <= 2 and r["dropped_stale"] == 0 for r in rows), rows
+    assert all(r["staleness_max"] <= 2 and r["dropped_stale"] == 0 for r in rows), rows
     live = [r["engines_live"] for r in rows]
     assert live[0] == 2 and 1 in live and live[-1] == 2, live
     evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
     assert evals[-1]["step"] == len(rows) and evals[-1]["prompts"] == 64, evals
-    if not on_policy:
-        assert evals[-1]["reward_mean"] > evals[0]["reward_mean"] + 0.05, evals
+    assert evals[-1]["reward_mean"] > evals[0]["reward_mean"] + 0.05, evals
     run_id = run.name.split("-", 2)[-1]
     assert not list(Path("/dev/shm").glob(f"llamarl_{run_id}*"))
 
@@ -186,7 +179,7 @@ def test_a_killed_engine_is_dropped_and_a_replacement_takes_its_slot_back(tmp_pa
     llamarl.launch --join RUN_DIR` as the runbook says: it gets the current weights and takes
     slot 1 back. The buckets engine 1 never read are swept, and the replacement reads from the
     sync chosen for it. A first replacement, stopped by Ctrl-C, leaves alone. (Batch mode
-    over the torch transport: the torchrun test below.)"""
+    over the torch transport, under torchrun: tests/test_tp.py.)"""
     overrides = [*CONTINUOUS, "sync.transport=filesystem"]
     procs = _launch(tmp_path, cache_dir, _free_port(), overrides)
 
@@ -200,8 +193,7 @@ def test_a_killed_engine_is_dropped_and_a_replacement_takes_its_slot_back(tmp_pa
     trainer, engine0, replacement = outs
     # (said by whichever peer's watchdog excuses the engine: the trainer's or engine 0's)
     assert "rank 2 (generator 1) left the job (stopped (Ctrl-C)): the replacement" in "".join(outs)
-    _check_loss_and_replacement(run, "\n".join(outs), engine0, trainer, replacement,
-                                on_policy=False)
+    _check_loss_and_replacement(run, "\n".join(outs), engine0, trainer, replacement)
     left = list((run / "weight_sync").rglob("*.safetensors"))
     assert len(left) <= 2, left  # (without the sweep: every sync of the loss)
 
@@ -249,34 +241,8 @@ def _wait_for_loss(run: Path, procs, engines: int, timeout: float = 120.0) -> No
     raise AssertionError("the loss was never declared")
 
 
-def test_under_torchrun_a_killed_engine_is_dropped_and_replaced_by_itself(tmp_path, cache_dir):
-    """torchrun stops every worker once one exits non-zero, so each engine rank runs as the
-    child of a supervisor (launch/supervisor.py): SIGKILL engine 1's process (the rank, not
-    torchrun's worker); the job declares it lost and goes on with engine 0, the supervisor
-    starts a replacement (sync.engine_restarts), and it takes slot 1 back. Batch mode (on-policy
-    throughout) over the torch transport: the trainers leave engine 1 out of their syncs and
-    send to the replacement on a group of its own."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
-           "-m", "llamarl.launch", RECIPE, f"run.output_dir={tmp_path}", "trainer.ranks=1",
-           "generator.engines=2", f"run.steps={STEPS}", "run.eval_every=20",
-           "data.eval_prompts=64"]
-    job = subprocess.Popen(cmd, cwd=ROOT, env=child_env(LLAMARL_CACHE=cache_dir),
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        run = _wait_for_rows(tmp_path, [job], KILL_AT)
-        ranks = [json.loads(x) for x in (run / "ranks.jsonl").read_text().splitlines()]
-        (pid,) = [r["pid"] for r in ranks if r["rank"] == 2]  # engine 1, under its supervisor
-        os.kill(pid, signal.SIGKILL)
-        _stop_once_back(run, 2)
-        out = job.communicate(timeout=600)[0]
-    finally:
-        job.kill()
-    assert job.returncode == 0, out[-6000:]
-    assert "while a replacement starts (sync.engine_restarts: 1 left)" in out, out[-3000:]
-    lines = out.splitlines()  # (one stream: every rank's lines, the replacement's included)
-    engine0 = "\n".join(x for x in lines if x.startswith("[generator 0]"))
-    trainer = "\n".join(x for x in lines if x.startswith("[trainer 0]"))
-    _check_loss_and_replacement(run, out, engine0, trainer, out, on_policy=True)
+# Under torchrun, an engine lost and replaced by its supervisor (launch/supervisor.py), on-policy
+# over the torch transport: tests/test_tp.py, with engines of tp 2 (both ranks replaced).
 
 
 # sync.engine_loss=stop: tests/test_roster.py (no engine is excused) and test_e2e.py's killed

@@ -54,21 +54,23 @@ def test_tp2_recipe_trains_and_evaluates(tmp_path, cache_dir):
 
 def test_two_tp2_engines_one_lost_and_replaced(tmp_path, cache_dir):
     """6 ranks on one host: trainers 0-1, engine 0 on ranks 2-3, engine 1 on ranks 4-5,
-    generating one version ahead of training (sync.max_staleness=1, AIPO). At step 3 engine
+    on-policy in batch mode over the torch transport. At step 3 engine
     1's follower (tp rank 1) is SIGKILLed: its leader leaves the job with it (exit 0), the
     trainers drop the engine once both its ranks are gone and engine 0 makes slot 1's batches.
     Then the supervisor of engine 1's tp rank 0 (launch/supervisor.py: torchrun keeps the job)
     starts a replacement of both ranks, as `--join RUN_DIR` does: it receives resharded
     weights from its first sync and takes slot 1 back. The run completes every step at the
     same batch size, until the test stops it (RUN_DIR/stop: trainer/stop.py) a few steps after
-    the replacement is back: both trainer ranks end at the same step, as at run.steps."""
+    the replacement is back: both trainer ranks end at the same step, as at run.steps. Every
+    engine, the replacement included, samples with the trainer's current weights (the engine's
+    and the trainer's logprobs agree), and the held-out evaluation goes on. (Off-policy
+    replacement: tests/test_engine_loss.py, srun-style over the filesystem transport.)"""
     # an upper bound: the replacement's start (python, vLLM, two ranks) on 2 cores shared with
     # the job's 4 busy ranks takes 40-60 s, some 150-200 steps of ~0.3 s with one engine left
     steps = 2000
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=6",
            "-m", "llamarl.launch", RECIPE, f"run.steps={steps}", "generator.engines=2",
-           "sync.max_staleness=1", "algorithm.correction=aipo", SOLO,
-           f"run.output_dir={tmp_path}", *SMALL]
+           SOLO, f"run.output_dir={tmp_path}", *SMALL, "run.eval_every=50"]
     # a file, not a pipe: nobody reads a pipe while the test waits, and a full one would stall
     # the ranks
     log = open(tmp_path / "job.log", "w+")
@@ -94,7 +96,11 @@ def test_two_tp2_engines_one_lost_and_replaced(tmp_path, cache_dir):
     assert stopped < steps and f"stopping at step {stopped} of {steps}" in out, out[-3000:]
     assert not (run / "stop").exists()  # (read once: a resume would go on)
     rows = _check_run(tmp_path, stopped, engines=2)  # both slots in every step
-    assert all(r["staleness_max"] <= 1 for r in rows)
+    assert all(r["policy_version"] - 1 == min(r["behaviour_version_by_engine"].values())
+               for r in rows)
+    assert all(r["mismatch_kl"] < 1e-4 for r in rows), [r["mismatch_kl"] for r in rows]
+    evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
+    assert evals[-1]["step"] == stopped and evals[-1]["prompts"] == 16, evals
     assert all(rows[-1]["behaviour_version_by_engine"][e] >= 2 for e in ("0", "1"))
     assert "rank 4 (generator 1): rank 5 (generator 1 (tp rank 1)) died" in out, out[-3000:]
     assert ("rank 5 (generator 1 (tp rank 1)) died, and rank 4 (generator 1) left with it: the "
@@ -103,7 +109,8 @@ def test_two_tp2_engines_one_lost_and_replaced(tmp_path, cache_dir):
             "without it; this worker ends well so that torchrun keeps the others (the "
             "supervisor of generator 1's tp rank 0 starts its replacement)") in out, out[-3000:]
     assert ("rank 4 (generator 1): it left the job with its lost engine; the job goes on "
-            "without it while a replacement of its 2 ranks starts") in out, out[-3000:]
+            "without it while a replacement of its 2 ranks starts (sync.engine_restarts: 1 "
+            "left)") in out, out[-3000:]
     assert "[generator 0] took over slot 1 at batch" in out, out[-3000:]
     assert "[generator 0] handed slot 1 back at batch" in out, out[-3000:]
     assert "as generator 1 (tp rank 1) (rank 5), replacing the lost engine" in out, out[-3000:]
@@ -129,20 +136,28 @@ def _wait_until_back(run: Path, job: subprocess.Popen, then: int) -> None:
 
 
 def test_multi_turn_episodes_in_continuous_mode_with_tp(tmp_path, cache_dir):
-    """recipes/tiny_tool_cpu.yaml with one tp 2 engine in continuous mode: every engine call
-    the leader makes (turns submitted one by one, engine steps, pauses for evaluations,
-    weight loads between two steps) is made by its other rank too."""
+    """recipes/tiny_tool_cpu.yaml with one tp 2 engine in continuous mode: episodes with tool
+    calls run across weight loads (a turn may be sampled by two versions), batches carry the
+    episode and continuous-generation metrics, and every engine call the leader makes (turns
+    submitted one by one, engine steps, pauses for evaluations, weight loads between two
+    steps) is made by its other rank too."""
     proc = torchrun(4, ["-m", "llamarl.launch", "recipes/tiny_tool_cpu.yaml", "generator.tp=2",
-                        "run.steps=3", "generator.mode=continuous", "sync.max_staleness=2",
+                        "run.steps=4", "generator.mode=continuous", "sync.max_staleness=2",
                         "algorithm.correction=aipo", "run.eval_every=2", "data.eval_prompts=16",
-                        f"run.output_dir={tmp_path}"],
+                        "generator.prompts_per_step=16", f"run.output_dir={tmp_path}"],
                     timeout=900, LLAMARL_CACHE=cache_dir)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    rows = _check_run(tmp_path, 3)
+    rows = _check_run(tmp_path, 4)
     assert rows[0]["mismatch_kl"] < 1e-4  # sampled from the initial weights, before any load
     for r in rows:
         assert r["turns_per_episode"] >= 1 and r["staleness_max"] <= 2
-        assert sum(v for k, v in r.items() if k.startswith("episodes_")) == 32 * 8
+        assert sum(v for k, v in r.items() if k.startswith("episodes_")) == 16 * 8
+        assert 0 < r["engine_busy_share"] <= 1 and 0 <= r["spanning_share"] <= 1
+        assert r["in_flight_mean"] > 0
+    assert any(r["tool_calls_per_episode"] > 0 for r in rows)
+    run, _ = metrics_of(tmp_path)
+    evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 2, 4]
 
 
 def test_two_host_launch_with_a_tp_engine(tmp_path, cache_dir):
