@@ -1,5 +1,6 @@
 """The worked examples of docs/add_algorithm.md and docs/add_reward.md, copied out of the
-pages as written and trained with through the launcher."""
+pages as written and trained with through the launcher (in the same launch: a KV cache that
+holds fewer sequences than a batch, which the engine's preemption makes do with)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def test_docs_examples_train(tmp_path, cache_dir):
                         "algorithm.advantage=my_algorithms:median_baseline",
                         "algorithm.policy_loss=my_algorithms:reinforce",
                         "reward.functions=[reverse_match,my_rewards:length_match]",
-                        "reward.weights=[1.0,0.2]"],
+                        "reward.weights=[1.0,0.2]", "generator.kv_cache_gib=0.01"],
                     timeout=600, LLAMARL_CACHE=str(cache_dir), PYTHONPATH=str(mods))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     run = next(p for p in out.iterdir() if p.is_dir())
@@ -37,3 +38,7 @@ def test_docs_examples_train(tmp_path, cache_dir):
     assert len(rows) == 2
     assert all("reward/my_rewards:length_match" in r for r in rows)
     assert all(r["clip_frac"] == 0.0 and r["grad_norm"] > 0 for r in rows)  # REINFORCE: no clip
+    # a cache that holds 81 of a batch's 512 sequences: the engine says what a whole batch
+    # would need, and the run completes (sequences preempted and recomputed as it fills)
+    line = next(x for x in proc.stderr.splitlines() if "KV cache 0.01 GiB" in x)
+    assert "holds 81 of them" in line and "generator.kv_cache_gib=0.07" in line, line

@@ -106,15 +106,8 @@ def test_overlapping_roles_share_the_cores_and_explicit_counts_win():
     assert _threads(cfg, cores=12, world=6, per_node=3) == [4, 4, 4, 12, 6, 6]
 
 
-@pytest.mark.slow
-def test_run_with_a_kv_cache_smaller_than_a_batch_completes(tmp_path, cache_dir):
-    """The default recipe with a cache that holds 81 of a batch's 512 sequences."""
-    proc = torchrun(3, ["-m", "llamarl.launch", RECIPE, "run.steps=2", "run.eval_every=0",
-                        f"run.output_dir={tmp_path}", "data.eval_prompts=16",
-                        "generator.kv_cache_gib=0.01"], timeout=600, LLAMARL_CACHE=cache_dir)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(x for x in proc.stderr.splitlines() if "KV cache 0.01 GiB" in x)
-    assert "holds 81 of them" in line and "generator.kv_cache_gib=0.07" in line, line
+# A run with a KV cache smaller than a batch completes: tests/test_docs_examples.py (in the
+# same launch as the docs' examples).
 
 
 @pytest.mark.slow
