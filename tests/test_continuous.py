@@ -125,10 +125,17 @@ def test_tokens_sampled_after_an_in_flight_update_match_the_new_weights(tiny_mod
 
 @pytest.mark.slow
 def test_two_engines_generate_continuously(tmp_path, cache_dir):
+    """Two engines in continuous mode, with generator.dynamic_sampling: at T = 0.05 a group's
+    8 samples are nearly always identical, so most groups finish uninformative and are dropped
+    as they finish (ds_dropped_groups), the batch waits for later ones, and after
+    max_sampling_rounds batches' worth of dropped groups the rest fill it, so the run never
+    stalls."""
     proc = torchrun(4, ["-m", "llamarl.launch", RECIPE, "run.steps=6", "generator.engines=2",
                         *CONTINUOUS, "algorithm.correction=aipo", SOLO, "run.eval_every=3",
+                        "generator.temperature=0.05", "generator.dynamic_sampling=true",
+                        "generator.max_sampling_rounds=2",
                         f"run.output_dir={tmp_path}", *[a for a in SMALL if "eval_every" not in a]],
-                    timeout=600, LLAMARL_CACHE=cache_dir)
+                    timeout=900, LLAMARL_CACHE=cache_dir)
     assert proc.returncode == 0, proc.stderr[-4000:]
     run, rows = metrics_of(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
@@ -140,6 +147,9 @@ def test_two_engines_generate_continuously(tmp_path, cache_dir):
         assert 0 <= r["spanning_share"] <= 1
         assert set(r["behaviour_version_by_engine"]) == {"0", "1"}
     assert rows[-1]["behaviour_version_by_engine"]["0"] >= 2
+    assert sum(r["ds_dropped_groups"] for r in rows) > 0, rows
+    # per batch at most max_sampling_rounds x prompts_per_step (8) dropped, over both engines
+    assert all(0 <= r["ds_dropped_groups"] <= 2 * 8 for r in rows), rows
     # (whether a sample here spans a load depends on timing: the engine-level test above
     # makes it happen and checks the versions and logprobs)
     evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
@@ -148,25 +158,3 @@ def test_two_engines_generate_continuously(tmp_path, cache_dir):
 
 # multi-turn episodes in continuous mode: tests/test_tp.py (with a tp 2 engine, whose other
 # rank follows every call)
-
-
-@pytest.mark.slow
-def test_dynamic_sampling_in_continuous_mode(tmp_path, cache_dir):
-    """generator.dynamic_sampling with continuous generation: at T = 0.05 a group's 8 samples
-    are nearly always identical, so most groups finish uninformative and are dropped as they
-    finish (ds_dropped_groups), the batch waits for later ones, and after
-    max_sampling_rounds batches' worth of dropped groups the rest fill it (ds_filled_groups),
-    so the run never stalls."""
-    proc = torchrun(3, ["-m", "llamarl.launch", RECIPE, "run.steps=4", *CONTINUOUS,
-                        "algorithm.correction=aipo", "generator.temperature=0.05",
-                        "generator.dynamic_sampling=true", "generator.max_sampling_rounds=2",
-                        "generator.prompts_per_step=8", "data.eval_prompts=16",
-                        "run.eval_every=0", f"run.output_dir={tmp_path}"],
-                    timeout=900, LLAMARL_CACHE=cache_dir)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    _, rows = metrics_of(tmp_path)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert sum(r["ds_dropped_groups"] for r in rows) > 0, rows
-    # per batch at most max_sampling_rounds x (prompts_per_step / engines) dropped
-    assert all(0 <= r["ds_dropped_groups"] <= 2 * 8 for r in rows), rows
-    assert all(r["staleness_max"] <= 2 and r["dropped_stale"] == 0 for r in rows)
