@@ -208,8 +208,9 @@ def test_plot_writes_charts_and_a_chrome_trace(finished_run):
 
 # Recipes that run through the launcher in other tests, with their own checks (kept out of this
 # one to keep the suite short): tiny_tool_cpu.yaml (test_multi_turn.py), tiny_grpo_cpu.yaml
-# (finished_run above), tiny_ppo_cpu.yaml (test_resume.py), tiny_grpo_tp2_cpu.yaml
-# (test_tp.py), tiny_grpo_async_cpu.yaml (test_async_e2e.py).
+# (finished_run above, in bfloat16; float32 in test_resume.py), tiny_ppo_cpu.yaml
+# (test_resume.py), tiny_grpo_tp2_cpu.yaml (test_tp.py, test_file_transport.py),
+# tiny_grpo_async_cpu.yaml (test_async_e2e.py).
 ELSEWHERE = {"tiny_tool_cpu.yaml", "tiny_grpo_cpu.yaml", "tiny_ppo_cpu.yaml",
              "tiny_grpo_tp2_cpu.yaml", "tiny_grpo_async_cpu.yaml"}
 CPU_RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*_cpu.yaml")

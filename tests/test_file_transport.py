@@ -127,15 +127,23 @@ def test_a_transport_is_a_registered_name_or_a_module_with_sender_and_receiver()
                          ids=["tp1", "tp2"])
 def test_runs_over_files(tmp_path, cache_dir, recipe, ranks):
     """The launcher with sync.transport=filesystem: every step samples from the weights the
-    trainer sent (the engine's logprobs are the trainer's), with one engine rank or two."""
+    trainer sent (the engine's logprobs are the trainer's), with one engine rank or two; the
+    recipe's held-out evaluation runs. tp2 is also the tp recipe's end-to-end run
+    (recipes/tiny_grpo_tp2_cpu.yaml: 2 trainer ranks + one engine of tp 2, whose other rank
+    follows every call; over the torch transport: tests/test_tp.py)."""
     shared = tmp_path / "shared"
     proc = torchrun(ranks, ["-m", "llamarl.launch", recipe, "run.steps=3", SOLO,
                             "sync.transport=filesystem", f"sync.transport_dir={shared}",
-                            f"run.output_dir={tmp_path / 'out'}", *SMALL],
+                            f"run.output_dir={tmp_path / 'out'}", *SMALL, "run.eval_every=3"],
                     timeout=600, LLAMARL_CACHE=cache_dir)
     assert proc.returncode == 0, proc.stderr[-4000:]
     run, rows = metrics_of(tmp_path / "out")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["mismatch_kl"] < 1e-4 for r in rows), [r["mismatch_kl"] for r in rows]
+    assert all(r["staleness_max"] == 0 for r in rows)  # on-policy: the engine waited for each
     assert json.loads((run / "layout.json").read_text())["world_size"] == ranks
+    evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 3]
+    if ranks == 4:
+        assert "[generator 0 (tp rank 1)] followed" in proc.stdout + proc.stderr
     assert not list(shared.rglob("*.safetensors")), "every bucket read and removed"

@@ -1,5 +1,5 @@
 """Tensor-parallel engines (generator.tp = 2, generator/tp.py) end to end through the launcher:
-the tp recipe, two tp engines beside two trainer ranks (one lost mid-run and replaced), multi-turn
+two tp engines beside two trainer ranks (one lost mid-run and replaced), multi-turn
 episodes in continuous mode, and a two-host launch whose engine sits on the other host.
 (Weight-sync parity with a tp engine: tests/test_weight_sync.py.)"""
 
@@ -35,21 +35,9 @@ def _check_run(out, steps: int, engines: int = 1) -> list[dict]:
     return rows
 
 
-def test_tp2_recipe_trains_and_evaluates(tmp_path, cache_dir):
-    """recipes/tiny_grpo_tp2_cpu.yaml: 2 trainer ranks + one engine of tp 2 (4 ranks)."""
-    proc = torchrun(4, ["-m", "llamarl.launch", RECIPE, "run.steps=3", "run.eval_every=3",
-                        SOLO, f"run.output_dir={tmp_path}",
-                        *[a for a in SMALL if "eval_every" not in a]],
-                    timeout=600, LLAMARL_CACHE=cache_dir)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = _check_run(tmp_path, 3)
-    assert all(r["mismatch_kl"] < 1e-4 for r in rows), rows
-    assert all(r["staleness_max"] == 0 for r in rows)  # on-policy: the engine waited for each
-    out = proc.stdout + proc.stderr
-    assert "[generator 0 (tp rank 1)] followed" in out, out[-3000:]
-    run, _ = metrics_of(tmp_path)
-    evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in evals] == [0, 3]
+# recipes/tiny_grpo_tp2_cpu.yaml's own run (3 steps, held-out evaluation, the follower's
+# line): tests/test_file_transport.py (tp2), over the filesystem transport; over the torch
+# transport, on-policy: the engine-loss test below.
 
 
 def test_two_tp2_engines_one_lost_and_replaced(tmp_path, cache_dir):
