@@ -245,8 +245,9 @@ def _wait_for_loss(run: Path, procs, engines: int, timeout: float = 120.0) -> No
 # over the torch transport: tests/test_tp.py, with engines of tp 2 (both ranks replaced).
 
 
-# sync.engine_loss=stop: tests/test_roster.py (no engine is excused) and test_e2e.py's killed
-# engine (a loss that is not excused stops every rank with a named error)
+# sync.engine_loss=stop: tests/test_roster.py (the job does not survive an engine loss, so no
+# engine is excused); a loss that is not excused (there, the last engine's) stops every rank
+# with a named error: test_e2e.py, srun-style
 
 
 def test_join_names_what_is_wrong_in_one_line(tmp_path):

@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         rt.watchdog.report_failure(message)
         say(f"llamarl: {rt.watchdog.role_name(env.rank)}: {message}")
         rt.cleanup_shared_memory()
+        rt.watchdog.linger_if_store_host()  # (srun: the peers read the report from its store)
         os._exit(1)
     rt.watchdog.stop()
     failed = [p.args for p in tp_ranks if p.wait() != 0]  # (a replacement's other tp ranks)

@@ -37,9 +37,10 @@ from collections.abc import Callable
 from llamarl.launch.layout import Layout
 
 HEARTBEAT_S = 1.0
-# how long the store's host, stopped by SIGTERM, waits for its peers to mark themselves
-# stopped before it ends (and the store with it): Watchdog._linger_for_peers
-SIGTERM_LINGER_S = 2.0
+# how long the store's host, ending (a failure, a peer's, or SIGTERM), waits for its peers to
+# read why and mark themselves stopped before it ends, and the store with it:
+# Watchdog._linger_for_peers
+STORE_HOST_LINGER_S = 2.0
 
 
 class Watchdog:
@@ -84,6 +85,10 @@ class Watchdog:
         # whether this process hosts the job's store (rank 0 without torchrun's agent store:
         # srun), which its peers can no longer read once it has ended
         self.hosts_store = False
+        # held by whichever path ends this process (_die): the SIGTERM handler takes it before
+        # it lingers, so that the watchdog thread, seeing the peers' "job was stopped"
+        # reports meanwhile, does not end the process first with a peer's failure
+        self._ending = threading.Lock()
 
     def role_name(self, rank: int) -> str:
         return f"rank {rank} ({self.layout.role_of(rank).name})"
@@ -240,6 +245,7 @@ class Watchdog:
         # No peer died and none reported a failure: the launcher was told to stop the job
         # (scancel, Ctrl-C or SIGTERM to torchrun), which is not a failure of any rank.
         why, store = "the job was stopped", None
+        self._ending.acquire(timeout=STORE_HOST_LINGER_S + 3.0)  # (held: another path is ending it)
         try:
             store = self._store_main()
             store.set(f"done/{self.rank}", "terminated")  # a casualty, not the cause
@@ -252,19 +258,30 @@ class Watchdog:
                 why = store.get("failed").decode()
         except Exception:
             pass
-        self._die(why, store, code=143, prefix="stopped by the launcher (SIGTERM): ")
+        self._die(why, store, code=143, prefix="stopped by the launcher (SIGTERM): ",
+                  holding=True)
+
+    def linger_if_store_host(self) -> None:
+        """Before this process ends on a failure it has reported: if it hosts the store, give
+        the peers the time to read the report (`_linger_for_peers`)."""
+        if self.hosts_store:
+            try:
+                self._linger_for_peers(self._store_main())
+            except Exception:  # noqa: BLE001 - the store is gone: nobody reads the report
+                pass
 
     def _linger_for_peers(self, store) -> None:
-        """The store's host, stopped by SIGTERM: wait (at most SIGTERM_LINGER_S) until every
-        peer has marked how it ended or is gone. scancel signals every task at once; a peer
-        that looked at the store after this process had ended would find the store and its
-        host gone, and name this rank's death as the cause of a job that was only stopped."""
+        """The store's host, ending: wait (at most STORE_HOST_LINGER_S) until every peer has
+        marked how it ended or is gone. A peer that looked at the store after this process had
+        ended would find the store and its host gone, and name this rank's death as the cause:
+        of a job that scancel only stopped (it signals every task at once), or that failed
+        for a reason this rank had just recorded in the store."""
         peers = [r for r in range(self.layout.world_size) if r != self.rank]
-        deadline = time.monotonic() + SIGTERM_LINGER_S
+        deadline = time.monotonic() + STORE_HOST_LINGER_S
         while time.monotonic() < deadline:
+            pids = dict(self._peers_proc)  # (the watchdog thread may change it meanwhile)
             waiting = [r for r in peers if not store.check([f"done/{r}"])
-                       and (self._peers_proc.get(r, -1) <= 0
-                            or _alive(self._peers_proc[r]))]
+                       and (pids.get(r, -1) <= 0 or _alive(pids[r]))]
             if not waiting:
                 return
             time.sleep(0.05)
@@ -378,15 +395,22 @@ class Watchdog:
         pid = self._peers_proc.get(rank, -1)
         return pid <= 0 or _alive(pid) or self._replaced(rank, pid, store)
 
-    def _die(self, cause: str, store, code: int = 1, prefix: str = "") -> None:
+    def _die(self, cause: str, store, code: int = 1, prefix: str = "",
+             holding: bool = False) -> None:
         """Say `cause`, record it for the peers (first report wins), clean up, end the
         process. The line goes out first: once the peers read the report they exit, and
-        torchrun then kills this process within its 0.1 s monitor interval."""
+        torchrun then kills this process within its 0.1 s monitor interval. One caller at a
+        time (`_ending`; `holding`: the caller has it): a second waits, and the process ends
+        before it gets it."""
+        if not holding:
+            self._ending.acquire()
         say(f"llamarl: {self.role_name(self.rank)}: {prefix}{cause}")
         if store is not None:
             try:
                 store.compare_set("failed", "", cause)
                 store.set(f"done/{self.rank}", "stopped")
+                if self.hosts_store:
+                    self._linger_for_peers(store)
             except Exception:
                 pass
         for fn in (*self.local_cleanups, *self.cleanups):
