@@ -409,7 +409,7 @@ class Watchdog:
             try:
                 store.compare_set("failed", "", cause)
                 store.set(f"done/{self.rank}", "stopped")
-                if self.hosts_store:
+                if self.hosts_store and not holding:  # (the SIGTERM handler has waited)
                     self._linger_for_peers(store)
             except Exception:
                 pass
