@@ -25,6 +25,12 @@
 #              in the host-bound backward)
 #   expseg     amb09_16k with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 #   amb095_16k budget 0.95; amb08_24k 24576-token micro-batches (3 per update), budget 0.8
+#   keep16k    amb09_16k, every block keeping its unsharded parameters forward to backward
+#   gath16k    amb09_16k with trainer.keep_gathered_params (each block gathered once a step);
+#              gath16k_085 the same at budget 0.85, gath24k_08 with amb08_24k's settings
+#   cudag, cudag_keep  amb09_16k (and keep16k) with inductor's CUDA graphs over each compiled
+#              block (the bench's rows are all 16384 tokens: static shapes), to measure what
+#              the host's launch work costs the host-bound backward
 # (Inductor's C++ wrapper, tried with --torch-config torch._inductor.config.cpp_wrapper=True,
 # does not compile the varlen attention op in torch 2.11.)
 #
@@ -64,7 +70,7 @@ variant() {  # label, seconds, PYTHONPATH prefix, bench arguments...
   shift 3
   echo "== $label: $* ${VENV[$label]:-}" | tee -a "$LOG"
   local t0=$SECONDS
-  env ${VENV[$label]:-} PYTHONPATH=$prefix$PYTHONPATH TORCH_LOGS=graph_breaks,recompiles timeout "$limit" \
+  env TORCH_LOGS=graph_breaks,recompiles ${VENV[$label]:-} PYTHONPATH=$prefix$PYTHONPATH timeout "$limit" \
     torchrun --standalone --nproc-per-node 1 bench/trainer_throughput.py "${COMMON[@]}" \
     --label "$label" "$@" >"$OUT/$label.out" 2>"$OUT/$label.err"
   local rc=$?
@@ -114,10 +120,18 @@ declare -A ARGS=(
   [expseg]="--variant packed --budget 16384 $AMB=0.9"
   [amb095_16k]="--variant packed --budget 16384 $AMB=0.95"
   [amb08_24k]="--variant packed --budget 24576 $AMB=0.8"
+  [keep16k]="--variant packed --budget 16384 $AMB=0.9 --keep-unsharded"
+  [gath16k]="--variant packed --budget 16384 $AMB=0.9 --set trainer.keep_gathered_params=true"
+  [gath16k_085]="--variant packed --budget 16384 $AMB=0.85 --set trainer.keep_gathered_params=true"
+  [gath24k_08]="--variant packed --budget 24576 $AMB=0.8 --set trainer.keep_gathered_params=true"
+  [cudag]="--variant packed --budget 16384 $AMB=0.9 --torch-config torch._inductor.config.triton.cudagraphs=True"
+  [cudag_keep]="--variant packed --budget 16384 $AMB=0.9 --keep-unsharded --torch-config torch._inductor.config.triton.cudagraphs=True"
 )
 # variant name -> environment variables for its process
 declare -A VENV=(
   [expseg]="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+  [cudag]="TORCH_LOGS=graph_breaks,recompiles,perf_hints"
+  [cudag_keep]="TORCH_LOGS=graph_breaks,recompiles,perf_hints"
 )
 NAMES=("$@")
 [ ${#NAMES[@]} -gt 0 ] || NAMES=(recipe r16_rowbound amb08_16k nob16k amb07_32k padded)

@@ -189,7 +189,19 @@ def set_torch_config(item: str) -> None:
     module, _, name = target.rpartition(".")
     if not module or not value:
         sys.exit(f"--torch-config {item!r}: expected MODULE.NAME=VALUE")
-    config = importlib.import_module(module)
+    # The longest importable prefix is the module; the rest are attributes (a config's
+    # nested class, e.g. torch._inductor.config.triton.cudagraphs).
+    parts, attrs = module.split("."), []
+    while True:
+        try:
+            config = importlib.import_module(".".join(parts))
+            break
+        except ModuleNotFoundError:
+            if len(parts) == 1:
+                sys.exit(f"--torch-config {item!r}: no module {module}")
+            attrs.insert(0, parts.pop())
+    for attr in attrs:
+        config = getattr(config, attr)
     if not hasattr(config, name):
         sys.exit(f"--torch-config {item!r}: {module} has no {name}")
     setattr(config, name, ast.literal_eval(value))
@@ -227,6 +239,9 @@ def main() -> None:
                         "sequence (as before), not the true longest")
     p.add_argument("--unfused-head", action="store_true",
                    help="trainer.compile compiles the head's in-place softmax passes")
+    p.add_argument("--keep-unsharded", action="store_true",
+                   help="every block keeps its unsharded parameters from forward to backward "
+                        "(FSDP2 reshard_after_forward=False: stable addresses for CUDA graphs)")
     p.add_argument("--label", default="", help="a name for this run in the output")
     p.add_argument("--torch-config", action="append", default=[], metavar="MODULE.NAME=VALUE",
                    help="set a torch config value before anything compiles, e.g. "
@@ -263,6 +278,10 @@ def main() -> None:
         set_torch_config(item)
     if args.no_trace_varlen:
         varlen_attention.TRACE_VARLEN = False
+    if args.keep_unsharded:
+        from llamarl.parallel import fsdp as fsdp_mod
+        shard = fsdp_mod.fully_shard
+        fsdp_mod.fully_shard = lambda m, **kw: shard(m, **{**kw, "reshard_after_forward": False})
     if args.row_length_bound:
         varlen_attention.PASS_LONGEST = False
     if args.unfused_head:

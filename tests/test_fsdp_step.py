@@ -17,15 +17,28 @@ CFG = ["trainer.micro_batch_size=3", "trainer.lr=1e-2", "trainer.ranks=2",
 
 
 def launch(nproc: int, out, **env) -> dict:
+    """The step of tests/dist/fsdp_policy_step.py on `nproc` ranks: its saved results."""
     proc = torchrun(nproc, [str(DIST / "fsdp_policy_step.py")], timeout=300, OUT=out, **env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out)
 
 
-@pytest.mark.parametrize("placed", [False, True], ids=["own_storage", "in_send_buffers"])
+@pytest.mark.parametrize("placed", [False, True],
+                         ids=["own_storage", "in_send_buffers_gathered_once"])
 def test_two_rank_fsdp2_step_matches_single_process(tmp_path, placed):
-    """in_send_buffers: the shards live in a weight sender's send buffers (place_shards)."""
-    sharded = launch(2, tmp_path / "fsdp.pt", **({"PLACE": "1"} if placed else {}))
+    """in_send_buffers_gathered_once: the shards live in a weight sender's send buffers
+    (place_shards), and each block keeps its gathered parameters through the step's three
+    micro-batches (trainer.keep_gathered_params) instead of gathering them for every forward
+    and backward."""
+    extra = {"PLACE": "1", "EXTRA": "trainer.keep_gathered_params=true"} if placed else {}
+    sharded = launch(2, tmp_path / "fsdp.pt", **extra)
+    micro_batches = 3  # 8 samples a rank, 3 a micro-batch
+    gathers = sharded["block_gathers"]  # per decoder block, in the step
+    if placed:
+        assert gathers == [1, 1], gathers
+    else:  # the first block again for backward; the last keeps them (apply_fsdp)
+        assert gathers[0] >= 2 * micro_batches and gathers[1] == micro_batches, gathers
+    assert sharded["blocks_resharded"]
     if placed:  # every shard without padding is moved (rank 1 holds a padded one: copied)
         counts = sharded["placed_even_slots"]  # per rank: moved, without padding, slots
         assert all(moved == even > 0 for moved, even, _ in counts), counts

@@ -53,10 +53,27 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, param_dtype: torch.dtyp
     for i, block in enumerate(blocks):
         if compile:
             block.compile(dynamic=True)
-        # The last block's parameters are needed right away by the root's backward: keep them.
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
+        fully_shard(block, mesh=mesh, mp_policy=mp,
+                    reshard_after_forward=_reshards_after_forward(i, len(blocks)))
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
+
+
+def _reshards_after_forward(i: int, blocks: int) -> bool:
+    """Block i frees its all-gathered parameters after forward (and gathers them again for
+    backward), except the last: its parameters are needed right away by the root's backward."""
+    return i < blocks - 1
+
+
+def hold_gathered(model: torch.nn.Module, hold: bool) -> None:
+    """trainer.keep_gathered_params: with `hold`, every block of the sharded `model` keeps its
+    all-gathered parameters after its forward (PolicyTrainer.step also keeps them after each
+    backward but the step's last), so each block is gathered once per step instead of twice
+    per micro-batch; without, apply_fsdp's setting again."""
+    blocks = decoder_blocks(model)
+    for i, block in enumerate(blocks):
+        block.set_reshard_after_forward(not hold and _reshards_after_forward(i, len(blocks)),
+                                        recurse=False)
 
 
 def place_shards(model: torch.nn.Module, destinations: dict[str, torch.Tensor]) -> set[str]:

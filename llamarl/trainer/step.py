@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from llamarl.config import TrainerConfig
+from llamarl.parallel.fsdp import hold_gathered
 from llamarl.trainer.optim import build_optimizer
 from llamarl.trainer.policy import TokenBatch, token_logprobs
 
@@ -49,25 +50,16 @@ class PolicyTrainer:
         (`loss`, every stat) plus `grad_norm` and `lr`."""
         self.model.train()
         self.opt.zero_grad(set_to_none=True)
-        totals: dict[str, torch.Tensor] = {"loss": torch.zeros((), device=self.device)}
-        last = len(micro_batches) - 1
-        for i, mb in enumerate(micro_batches):
-            if hasattr(self.model, "set_requires_gradient_sync"):
-                self.model.set_requires_gradient_sync(i == last)  # reduce-scatter once
-            mb = mb.to(self.device)
-            out, entropy = self.forward(self.model, mb)
-            loss, stats = loss_fn(out, mb, entropy)
-            (loss * self.dp_size).backward()
-            totals["loss"] += loss.detach()
-            if entropy is not None:
-                stats = dict(stats, entropy_sum=(entropy.detach() * mb.mask).sum())
-            for k, v in stats.items():
-                if k.endswith("_max"):
-                    totals[k] = torch.maximum(totals.get(k, v.detach()), v.detach())
-                elif k.endswith("_min"):
-                    totals[k] = torch.minimum(totals.get(k, v.detach()), v.detach())
-                else:
-                    totals[k] = totals.get(k, torch.zeros((), device=self.device)) + v.detach()
+        sharded = hasattr(self.model, "set_requires_gradient_sync")  # FSDP2
+        keep = sharded and self.cfg.keep_gathered_params
+        if keep:
+            hold_gathered(self.model, True)
+        try:
+            totals = self._forward_backward(micro_batches, loss_fn, sharded, keep)
+        finally:
+            if keep:  # free the gathered parameters for whatever runs between steps
+                hold_gathered(self.model, False)
+                self.model.set_reshard_after_backward(True)
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf)
         if hasattr(grad_norm, "full_tensor"):
@@ -91,6 +83,32 @@ class PolicyTrainer:
                     "or raise trainer.max_bad_steps")
         out["skipped_total"] = float(self.skipped_steps)
         return out
+
+    def _forward_backward(self, micro_batches: list[TokenBatch], loss_fn: LossFn, sharded: bool,
+                          keep: bool) -> dict[str, torch.Tensor]:
+        """Accumulate every micro-batch's gradient; returns the local sums of the stats."""
+        totals: dict[str, torch.Tensor] = {"loss": torch.zeros((), device=self.device)}
+        last = len(micro_batches) - 1
+        for i, mb in enumerate(micro_batches):
+            if sharded:
+                self.model.set_requires_gradient_sync(i == last)  # reduce-scatter once
+                if keep:  # gathered once per step: free them after the last backward only
+                    self.model.set_reshard_after_backward(i == last)
+            mb = mb.to(self.device)
+            out, entropy = self.forward(self.model, mb)
+            loss, stats = loss_fn(out, mb, entropy)
+            (loss * self.dp_size).backward()
+            totals["loss"] += loss.detach()
+            if entropy is not None:
+                stats = dict(stats, entropy_sum=(entropy.detach() * mb.mask).sum())
+            for k, v in stats.items():
+                if k.endswith("_max"):
+                    totals[k] = torch.maximum(totals.get(k, v.detach()), v.detach())
+                elif k.endswith("_min"):
+                    totals[k] = torch.minimum(totals.get(k, v.detach()), v.detach())
+                else:
+                    totals[k] = totals.get(k, torch.zeros((), device=self.device)) + v.detach()
+        return totals
 
 
 def all_reduce_stats(stats: dict[str, torch.Tensor]) -> dict[str, float]:

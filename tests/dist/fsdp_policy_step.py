@@ -7,7 +7,8 @@ the tiny model, needed for PPO's critic and a reference model), DEVICE (cpu, the
 gloo; or cuda: one GPU per rank on NCCL), PLACE=1: a weight sender is built first, which moves
 the shards into its send buffers (fsdp.place_shards), and the step must take them along;
 CHUNK_MIB: the logprobs' chunk size (llamarl.trainer.policy.LOGPROB_CHUNK_MIB), small enough
-to take the chunked LM head under FSDP2."""
+to take the chunked LM head under FSDP2. Also saved: how many times each decoder block's
+parameters were all-gathered in the step, and whether they are sharded again after it."""
 
 import os
 import sys
@@ -21,7 +22,7 @@ from trainer_world import exit_process, trainer_world  # noqa: E402
 
 from llamarl.buffer.record import split_groups  # noqa: E402
 from llamarl.config import load_config  # noqa: E402
-from llamarl.parallel.fsdp import apply_fsdp  # noqa: E402
+from llamarl.parallel.fsdp import apply_fsdp, decoder_blocks  # noqa: E402
 from llamarl.parallel.weight_sender import WeightSender  # noqa: E402
 from llamarl.tiny.model import build_model  # noqa: E402
 from llamarl.trainer import policy as policy_mod  # noqa: E402
@@ -33,6 +34,23 @@ from llamarl.trainer.step import PolicyTrainer  # noqa: E402
 # padded rows unless EXTRA says otherwise (trainer.share_prompts=true: the shared-prompt layout)
 CFG = ["trainer.micro_batch_size=3", "trainer.lr=1e-2", "trainer.ranks=2",
        "trainer.share_prompts=false"]
+
+
+def count_gathers() -> dict:
+    """id(FSDPParamGroup) -> all-gathers of its parameters (unshard calls that found them
+    sharded) from now on."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    counts: dict = {}
+    unshard = FSDPParamGroup.unshard
+
+    def counted(self, *args, **kwargs):
+        if self.is_sharded:
+            counts[id(self)] = counts.get(id(self), 0) + 1
+        return unshard(self, *args, **kwargs)
+
+    FSDPParamGroup.unshard = counted
+    return counts
 
 
 def full(model):
@@ -59,9 +77,13 @@ if __name__ == "__main__":
         else None
     reference = load_reference(cfg, path, mesh, device)
     batch = split_groups(make_batch(4, 4, seed=5), world)[rank]
+    gathers = count_gathers()
     stats = policy_step(trainer, batch, cfg, tok.pad_token_id, reference=reference,
                         critic=critic)
+    groups = [b._get_fsdp_state()._fsdp_param_group for b in decoder_blocks(model)]
     out = {"state": full(model), "stats": stats,
+           "block_gathers": [gathers.get(id(g), 0) for g in groups],
+           "blocks_resharded": all(g.is_sharded for g in groups),
            "grads": {n: p.grad.full_tensor().cpu() for n, p in model.named_parameters()},
            "checkpointing": bool(getattr(model, "is_gradient_checkpointing", False))}
     if critic is not None:
