@@ -2,7 +2,7 @@
 invocation, on workloads with long-tailed response lengths: batch mode at k = 1 (today's
 asynchronous recipe) and k = 2, continuous at k = 2 with sync.prefer_fresh (the default: a
 group waits for fresher weights while the trainer has work) and without it, and continuous at
-k = 3 (a looser bound on the long tail).
+k = 3 (a looser bound on the long tail), with and without prefer_fresh (--modes picks some).
 
 Why continuous needs k >= 2: max_staleness bounds the oldest token of a sample, so with k = 1
 a group for batch b + 1 may only start once the weights of step b are loaded, which is exactly
@@ -38,11 +38,12 @@ Per mode, over the steps after --warmup:
   held back with nothing admissible (engine_load_share, engine_held_share), and, of the busy
   share, stepping while a batch's worth of groups was complete but a running group was due in
   it at its staleness deadline (engine_due_share: the long tail that k does not let the
-  engine leave behind);
+  engine leave behind), and idle: neither stepping nor loading (engine_idle_share = 1 - busy
+  - load: held back, or between engine calls);
 * trainer wait: the trainer's mean wait for the next batch (wait_s).
 
     python bench/continuous_generation.py [--steps 30] [--warmup 5] [--workloads tiny deep]
-                                          [--repeats 1] [key=value ...]
+                                          [--repeats 1] [--modes batch_k1 ...] [key=value ...]
 
 Single invocations vary by up to 15-30% here (batch mode at k = 1 on `deep` has given
 0.92-1.43 steps/s): --repeats N interleaves N invocations of every mode and reports medians,
@@ -76,7 +77,9 @@ MODES = {  # name: (generator.mode, max_staleness, overrides)
     "continuous_k2": ("continuous", 2, []),
     "continuous_k2_no_prefer_fresh": ("continuous", 2, ["sync.prefer_fresh=false"]),
     "continuous_k3": ("continuous", 3, []),  # what a looser bound buys against the long tail
+    "continuous_k3_no_prefer_fresh": ("continuous", 3, ["sync.prefer_fresh=false"]),
 }
+DEFAULT_MODES = [m for m in MODES if m != "continuous_k3_no_prefer_fresh"]
 
 
 def random_model(layers: int) -> str:
@@ -136,6 +139,8 @@ def summary(rows: list[dict], mode: str) -> dict:
         weighted = {key: sum(r[key] * r["generate_s"] for r in rows)
                     / sum(r["generate_s"] for r in rows)
                     for key in ("engine_load_share", "engine_held_share", "engine_due_share")}
+        # neither stepping nor loading weights: held back, or between engine calls
+        out["engine_idle_share"] = max(0.0, 1.0 - busy - weighted["engine_load_share"])
         out.update(weighted,
                    spanning_share=statistics.mean(r["spanning_share"] for r in rows),
                    version_spread_mean=statistics.mean(r["version_spread_mean"] for r in rows),
@@ -154,17 +159,20 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="invocations of every mode, interleaved (mode by mode, repeat by "
                          "repeat); the ratios are the medians of the repeats' ratios")
+    ap.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES),
+                    help="the modes to run (batch_k1, the reference of the ratios, always)")
     ap.add_argument("--out", default="bench/results/continuous_generation.json")
     args, extra = ap.parse_known_args()
+    modes = {name: MODES[name] for name in MODES if name in args.modes or name == "batch_k1"}
     result = {"common": COMMON + extra, "steps": args.steps, "warmup": args.warmup,
               "repeats": args.repeats}
     for workload in args.workloads:
         layers, overrides = WORKLOADS[workload]
         model = random_model(layers)
         res = result[workload] = {"overrides": overrides, "layers": layers}
-        repeats: dict[str, list[dict]] = {name: [] for name in MODES}
+        repeats: dict[str, list[dict]] = {name: [] for name in modes}
         for _ in range(args.repeats):
-            for name, (mode, k, mode_overrides) in MODES.items():
+            for name, (mode, k, mode_overrides) in modes.items():
                 rows = run(model, mode, k, args.steps,
                            COMMON + overrides + mode_overrides + extra)
                 repeats[name].append(summary(rows[args.warmup:], mode))
@@ -175,7 +183,7 @@ def main() -> None:
             res[name] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
             if args.repeats > 1:
                 res[name]["steps_per_s_repeats"] = [r["steps_per_s"] for r in runs]
-        for name in [m for m in MODES if m.startswith("continuous")]:
+        for name in [m for m in modes if m.startswith("continuous")]:
             res[f"{name}_over_batch_k1"] = statistics.median(
                 c["steps_per_s"] / b["steps_per_s"]
                 for c, b in zip(repeats[name], repeats["batch_k1"]))
