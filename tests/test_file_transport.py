@@ -5,6 +5,8 @@ file as a one-line error, the transport seam's errors, and the launcher's runs o
 from __future__ import annotations
 
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -132,6 +134,8 @@ def test_runs_over_files(tmp_path, cache_dir, recipe, ranks):
     (recipes/tiny_grpo_tp2_cpu.yaml: 2 trainer ranks + one engine of tp 2, whose other rank
     follows every call; over the torch transport: tests/test_tp.py)."""
     shared = tmp_path / "shared"
+    tmp = Path(tempfile.gettempdir())
+    sockets = {p for p in tmp.iterdir() if p.is_socket()}
     proc = torchrun(ranks, ["-m", "llamarl.launch", recipe, "run.steps=3", SOLO,
                             "sync.transport=filesystem", f"sync.transport_dir={shared}",
                             f"run.output_dir={tmp_path / 'out'}", *SMALL, "run.eval_every=3"],
@@ -146,4 +150,9 @@ def test_runs_over_files(tmp_path, cache_dir, recipe, ranks):
     assert [e["step"] for e in evals] == [0, 3]
     if ranks == 4:
         assert "[generator 0 (tp rank 1)] followed" in proc.stdout + proc.stderr
+    # vLLM's tp message queues' socket files went to the engine's own directory (ipc_dir),
+    # which the run's sweep removed; none are left in the temporary directory
+    run_id = "-".join(run.name.split("-")[-3:])  # (the run directory: NAME-RUN_ID)
+    assert not list(tmp.glob(f"llamarl_{run_id}_*ipc"))
+    assert {p for p in tmp.iterdir() if p.is_socket()} <= sockets
     assert not list(shared.rglob("*.safetensors")), "every bucket read and removed"

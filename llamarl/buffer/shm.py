@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,8 +35,16 @@ def segment_prefix(run_id: str) -> str:
     return f"llamarl_{run_id}_"
 
 
+def ipc_dir(prefix: str) -> Path:
+    """The directory of a tp > 1 engine's ZMQ socket files (vLLM's VLLM_RPC_BASE_PATH, which
+    would leave them in the temporary directory), named after its shared-memory prefix so
+    that sweep_run removes it with the run's segments."""
+    return Path(tempfile.gettempdir()) / f"{prefix}ipc"
+
+
 def sweep_run(run_id: str) -> int:
-    """Unlink every segment of run `run_id` on this host; returns how many were removed."""
+    """Unlink every segment of run `run_id` on this host, and remove its engines' socket
+    directories (ipc_dir); returns how many segments were removed."""
     n = 0
     for path in SHM_DIR.glob(segment_prefix(run_id) + "*"):
         try:
@@ -42,6 +52,8 @@ def sweep_run(run_id: str) -> int:
             n += 1
         except FileNotFoundError:
             pass
+    for path in Path(tempfile.gettempdir()).glob(segment_prefix(run_id) + "*ipc"):
+        shutil.rmtree(path, ignore_errors=True)
     return n
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llamarl.buffer.shm import ipc_dir
 from llamarl.config import GeneratorConfig
 from llamarl.errors import first_line
 from llamarl.generator.cpu_fixes import (
@@ -144,6 +145,11 @@ def prepare_environment(world: EngineWorld | None, on_cpu: bool) -> None:
                           LOCAL_RANK=str(world.local_rank), MASTER_ADDR=world.master_addr,
                           MASTER_PORT=str(world.master_port))
         os.environ[PREFIX_ENV] = world.shm_prefix or f"llamarl-tp{world.master_port}-"
+        # vLLM's tp message queues bind ZMQ sockets as files in VLLM_RPC_BASE_PATH (the
+        # temporary directory) and leave them there: put them where the run's sweep looks
+        ipc = ipc_dir(os.environ[PREFIX_ENV])
+        ipc.mkdir(exist_ok=True)
+        os.environ["VLLM_RPC_BASE_PATH"] = str(ipc)
 
 
 def import_vllm(world: EngineWorld | None, on_cpu: bool) -> None:
