@@ -2,7 +2,7 @@
 invocation, on workloads with long-tailed response lengths: batch mode at k = 1 (today's
 asynchronous recipe) and k = 2, continuous at k = 2 with sync.prefer_fresh (the default: a
 group waits for fresher weights while the trainer has work) and without it, and continuous at
-k = 3 (a looser bound on the long tail), with and without prefer_fresh (--modes picks some).
+k = 3 (a looser bound on the long tail); --modes picks others (k = 3 without prefer_fresh).
 
 Why continuous needs k >= 2: max_staleness bounds the oldest token of a sample, so with k = 1
 a group for batch b + 1 may only start once the weights of step b are loaded, which is exactly
@@ -38,8 +38,8 @@ Per mode, over the steps after --warmup:
   held back with nothing admissible (engine_load_share, engine_held_share), and, of the busy
   share, stepping while a batch's worth of groups was complete but a running group was due in
   it at its staleness deadline (engine_due_share: the long tail that k does not let the
-  engine leave behind), and idle: neither stepping nor loading (engine_idle_share = 1 - busy
-  - load: held back, or between engine calls);
+  engine leave behind); and apart from those, the share it was idle, neither stepping nor
+  loading (engine_idle_share = 1 - busy - load: held back, or between engine calls);
 * trainer wait: the trainer's mean wait for the next batch (wait_s).
 
     python bench/continuous_generation.py [--steps 30] [--warmup 5] [--workloads tiny deep]

@@ -196,11 +196,15 @@ def set_torch_config(item: str) -> None:
         try:
             config = importlib.import_module(".".join(parts))
             break
-        except ModuleNotFoundError:
+        except ModuleNotFoundError as e:
+            if e.name != ".".join(parts):  # a module that exists failed to import
+                raise
             if len(parts) == 1:
                 sys.exit(f"--torch-config {item!r}: no module {module}")
             attrs.insert(0, parts.pop())
     for attr in attrs:
+        if not hasattr(config, attr):
+            sys.exit(f"--torch-config {item!r}: {'.'.join(parts)} has no {attr}")
         config = getattr(config, attr)
     if not hasattr(config, name):
         sys.exit(f"--torch-config {item!r}: {module} has no {name}")

@@ -37,8 +37,11 @@ def test_two_rank_fsdp2_step_matches_single_process(tmp_path, placed):
     if placed:
         assert gathers == [1, 1], gathers
     else:  # the first block again for backward; the last keeps them (apply_fsdp)
-        assert gathers[0] >= 2 * micro_batches and gathers[1] == micro_batches, gathers
+        assert gathers == [2 * micro_batches, micro_batches], gathers
+    # after the step, sharded, with apply_fsdp's settings back for what runs next
     assert sharded["blocks_resharded"]
+    assert sharded["reshard_after_forward"] == [True, False]
+    assert sharded["reshard_after_backward"] == [True, True]
     if placed:  # every shard without padding is moved (rank 1 holds a padded one: copied)
         counts = sharded["placed_even_slots"]  # per rank: moved, without padding, slots
         assert all(moved == even > 0 for moved, even, _ in counts), counts

@@ -34,7 +34,10 @@ def job(tmp_path, monkeypatch):
     store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=10))
     keys = dist.PrefixStore(job_prefix(0), store)
     keys.set("run", json.dumps({"dir": str(tmp_path)}))
-    monkeypatch.delenv(ENGINE_ENV, raising=False)
+    # (set, then deleted, so that monkeypatch restores it as it was, unset included, after
+    # supervise sets it directly)
+    monkeypatch.setenv(ENGINE_ENV, "")
+    monkeypatch.delenv(ENGINE_ENV)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     yield store, keys
     for s, h in handlers.items():

@@ -35,11 +35,17 @@ def segment_prefix(run_id: str) -> str:
     return f"llamarl_{run_id}_"
 
 
-def ipc_dir(prefix: str) -> Path:
+# ZMQ refuses an ipc:// socket path over 107 characters; vLLM names a socket DIR/<uuid4>
+IPC_DIR_MAX_LEN = 107 - 37
+
+
+def ipc_dir(prefix: str) -> Path | None:
     """The directory of a tp > 1 engine's ZMQ socket files (vLLM's VLLM_RPC_BASE_PATH, which
     would leave them in the temporary directory), named after its shared-memory prefix so
-    that sweep_run removes it with the run's segments."""
-    return Path(tempfile.gettempdir()) / f"{prefix}ipc"
+    that sweep_run removes it with the run's segments; None where that path would be too
+    long for a socket (a long TMPDIR): vLLM's default then."""
+    path = Path(tempfile.gettempdir()) / f"{prefix}ipc"
+    return path if len(str(path)) <= IPC_DIR_MAX_LEN else None
 
 
 def sweep_run(run_id: str) -> int:
@@ -47,6 +53,8 @@ def sweep_run(run_id: str) -> int:
     directories (ipc_dir); returns how many segments were removed."""
     n = 0
     for path in SHM_DIR.glob(segment_prefix(run_id) + "*"):
+        if path.is_dir():  # (an ipc_dir, where the temporary directory is /dev/shm)
+            continue
         try:
             path.unlink()
             n += 1

@@ -90,4 +90,5 @@ def unlink_cpu_shm(prefix: str) -> None:
     with its lost engine, would leave them in /dev/shm for good. (A segment still mapped by a
     rank stays usable by it: unlinking only drops the name.)"""
     for path in Path("/dev/shm").glob(prefix + "*"):
-        path.unlink(missing_ok=True)
+        if not path.is_dir():  # (its ipc_dir, where the temporary directory is /dev/shm)
+            path.unlink(missing_ok=True)

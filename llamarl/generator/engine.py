@@ -148,8 +148,9 @@ def prepare_environment(world: EngineWorld | None, on_cpu: bool) -> None:
         # vLLM's tp message queues bind ZMQ sockets as files in VLLM_RPC_BASE_PATH (the
         # temporary directory) and leave them there: put them where the run's sweep looks
         ipc = ipc_dir(os.environ[PREFIX_ENV])
-        ipc.mkdir(exist_ok=True)
-        os.environ["VLLM_RPC_BASE_PATH"] = str(ipc)
+        if ipc is not None:
+            ipc.mkdir(exist_ok=True)
+            os.environ["VLLM_RPC_BASE_PATH"] = str(ipc)
 
 
 def import_vllm(world: EngineWorld | None, on_cpu: bool) -> None:

@@ -57,7 +57,9 @@ class PolicyTrainer:
         try:
             totals = self._forward_backward(micro_batches, loss_fn, sharded, keep)
         finally:
-            if keep:  # free the gathered parameters for whatever runs between steps
+            # apply_fsdp's settings again for what runs between steps (the last backward has
+            # freed the gathered parameters; a step that raised ends the run)
+            if keep:
                 hold_gathered(self.model, False)
                 self.model.set_reshard_after_backward(True)
         grad_norm = torch.nn.utils.clip_grad_norm_(

@@ -37,15 +37,15 @@ CFG = ["trainer.micro_batch_size=3", "trainer.lr=1e-2", "trainer.ranks=2",
 
 
 def count_gathers() -> dict:
-    """id(FSDPParamGroup) -> all-gathers of its parameters (unshard calls that found them
-    sharded) from now on."""
+    """id(FSDPParamGroup) -> all-gathers of its parameters from now on (unshard calls that
+    found them sharded with no gather in flight: a prefetched gather is counted once)."""
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
     counts: dict = {}
     unshard = FSDPParamGroup.unshard
 
     def counted(self, *args, **kwargs):
-        if self.is_sharded:
+        if self.is_sharded and self._all_gather_result is None:
             counts[id(self)] = counts.get(id(self), 0) + 1
         return unshard(self, *args, **kwargs)
 
@@ -84,6 +84,10 @@ if __name__ == "__main__":
     out = {"state": full(model), "stats": stats,
            "block_gathers": [gathers.get(id(g), 0) for g in groups],
            "blocks_resharded": all(g.is_sharded for g in groups),
+           # the blocks' settings after the step: apply_fsdp's again (all but the last free
+           # their parameters after forward; all after backward)
+           "reshard_after_forward": [g.post_forward_mesh_info is not None for g in groups],
+           "reshard_after_backward": [g.reshard_after_backward for g in groups],
            "grads": {n: p.grad.full_tensor().cpu() for n, p in model.named_parameters()},
            "checkpointing": bool(getattr(model, "is_gradient_checkpointing", False))}
     if critic is not None:
