@@ -183,29 +183,16 @@ def set_torch_config(item: str) -> None:
     """'torch._inductor.config.cpp_wrapper=True' -> setattr(torch._inductor.config,
     'cpp_wrapper', True): a torch knob tried in a bench run without a code change."""
     import ast
-    import importlib
+    import pkgutil
 
     target, _, value = item.partition("=")
     module, _, name = target.rpartition(".")
     if not module or not value:
         sys.exit(f"--torch-config {item!r}: expected MODULE.NAME=VALUE")
-    # The longest importable prefix is the module; the rest are attributes (a config's
-    # nested class, e.g. torch._inductor.config.triton.cudagraphs).
-    parts, attrs = module.split("."), []
-    while True:
-        try:
-            config = importlib.import_module(".".join(parts))
-            break
-        except ModuleNotFoundError as e:
-            if e.name != ".".join(parts):  # a module that exists failed to import
-                raise
-            if len(parts) == 1:
-                sys.exit(f"--torch-config {item!r}: no module {module}")
-            attrs.insert(0, parts.pop())
-    for attr in attrs:
-        if not hasattr(config, attr):
-            sys.exit(f"--torch-config {item!r}: {'.'.join(parts)} has no {attr}")
-        config = getattr(config, attr)
+    try:  # a module, or an attribute of one (a config's nested class: ...config.triton)
+        config = pkgutil.resolve_name(module)
+    except (ImportError, AttributeError) as e:
+        sys.exit(f"--torch-config {item!r}: {e}")
     if not hasattr(config, name):
         sys.exit(f"--torch-config {item!r}: {module} has no {name}")
     setattr(config, name, ast.literal_eval(value))

@@ -69,11 +69,14 @@ def hold_gathered(model: torch.nn.Module, hold: bool) -> None:
     """trainer.keep_gathered_params: with `hold`, every block of the sharded `model` keeps its
     all-gathered parameters after its forward (PolicyTrainer.step also keeps them after each
     backward but the step's last), so each block is gathered once per step instead of twice
-    per micro-batch; without, apply_fsdp's setting again."""
+    per micro-batch; without, apply_fsdp's settings again (after forward, and after backward
+    for every module)."""
     blocks = decoder_blocks(model)
     for i, block in enumerate(blocks):
         block.set_reshard_after_forward(not hold and _reshards_after_forward(i, len(blocks)),
                                         recurse=False)
+    if not hold:
+        model.set_reshard_after_backward(True)
 
 
 def place_shards(model: torch.nn.Module, destinations: dict[str, torch.Tensor]) -> set[str]:

@@ -61,7 +61,6 @@ class PolicyTrainer:
             # freed the gathered parameters; a step that raised ends the run)
             if keep:
                 hold_gathered(self.model, False)
-                self.model.set_reshard_after_backward(True)
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf)
         if hasattr(grad_norm, "full_tensor"):
