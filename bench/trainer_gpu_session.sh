@@ -28,6 +28,10 @@
 #   keep16k    amb09_16k, every block keeping its unsharded parameters forward to backward
 #   gath16k    amb09_16k with trainer.keep_gathered_params (each block gathered once a step);
 #              gath16k_085 the same at budget 0.85, gath24k_08 with amb08_24k's settings
+#   gath16k_c512, gath16k_c256  gath16k with the head's float32 chunks at 512 (256) MiB instead
+#              of 1 GiB (the peak of the update is in the head's backward); _na the same without
+#              inductor's size asserts (host work per compiled graph), _cdt with inductor's
+#              coordinate-descent tuning of its pointwise and reduction kernels, _prof profiled
 #   cudag, cudag_keep  amb09_16k (and keep16k) with inductor's CUDA graphs over each compiled
 #              block (the bench's rows are all 16384 tokens: static shapes), to measure what
 #              the host's launch work costs the host-bound backward
@@ -124,6 +128,11 @@ declare -A ARGS=(
   [gath16k]="--variant packed --budget 16384 $AMB=0.9 --set trainer.keep_gathered_params=true"
   [gath16k_085]="--variant packed --budget 16384 $AMB=0.85 --set trainer.keep_gathered_params=true"
   [gath24k_08]="--variant packed --budget 24576 $AMB=0.8 --set trainer.keep_gathered_params=true"
+  [gath16k_c512]="--variant packed --budget 16384 $AMB=0.9 --set trainer.keep_gathered_params=true --chunk-mib 512"
+  [gath16k_c256]="--variant packed --budget 16384 $AMB=0.9 --set trainer.keep_gathered_params=true --chunk-mib 256"
+  [gath16k_c512_na]="--variant packed --budget 16384 $AMB=0.9 --set trainer.keep_gathered_params=true --chunk-mib 512 --torch-config torch._inductor.config.size_asserts=False"
+  [gath16k_c512_cdt]="--variant packed --budget 16384 $AMB=0.9 --set trainer.keep_gathered_params=true --chunk-mib 512 --torch-config torch._inductor.config.coordinate_descent_tuning=True"
+  [gath16k_c512_prof]="--variant packed --budget 16384 $AMB=0.9 --set trainer.keep_gathered_params=true --chunk-mib 512 --profile"
   [cudag]="--variant packed --budget 16384 $AMB=0.9 --torch-config torch._inductor.config.triton.cudagraphs=True"
   [cudag_keep]="--variant packed --budget 16384 $AMB=0.9 --keep-unsharded --torch-config torch._inductor.config.triton.cudagraphs=True"
 )

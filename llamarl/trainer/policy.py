@@ -263,9 +263,12 @@ def collate(seqs: list[tuple[list[int], list[int], list[float]]], pad_id: int) -
 # time. Micro-batches smaller than one chunk (the tiny model's) take the one-chunk path.
 # On a GPU bigger chunks: each chunk is a few kernel launches and a rank-n update of the
 # head's gradient, and an H100 update of the 0.5B model took 2.6 s with 64 MiB chunks (110
-# positions of a 152k vocabulary) against 2.1 s with 1 GiB ones (docs/measured.md).
+# positions of a 152k vocabulary) against 2.1 s with 1 GiB ones; with the compiled blocks and
+# 16384-token micro-batches, 512 MiB chunks were as fast as 1 GiB ones (0.664 against 0.694 s,
+# medians of alternating runs) and 0.75 GiB lighter at the update's peak, which lies in the
+# head's backward; 256 MiB was slower (docs/measured.md).
 LOGPROB_CHUNK_MIB = 64.0
-LOGPROB_CHUNK_MIB_CUDA = 1024.0
+LOGPROB_CHUNK_MIB_CUDA = 512.0
 
 
 def _logprobs_of_chunk(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
