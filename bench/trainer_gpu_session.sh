@@ -32,6 +32,8 @@
 #              of 1 GiB (the peak of the update is in the head's backward); _na the same without
 #              inductor's size asserts (host work per compiled graph), _cdt with inductor's
 #              coordinate-descent tuning of its pointwise and reduction kernels, _prof profiled
+#   cudag_gath the recipe's settings (gath16k) with inductor's CUDA graphs: the gathered
+#              parameters are held through the step, so a block's graphs could replay within it
 #   cudag, cudag_keep  amb09_16k (and keep16k) with inductor's CUDA graphs over each compiled
 #              block (the bench's rows are all 16384 tokens: static shapes), to measure what
 #              the host's launch work costs the host-bound backward
@@ -135,12 +137,14 @@ declare -A ARGS=(
   [gath16k_c512_prof]="--variant packed --budget 16384 $AMB=0.9 --set trainer.keep_gathered_params=true --chunk-mib 512 --profile"
   [cudag]="--variant packed --budget 16384 $AMB=0.9 --torch-config torch._inductor.config.triton.cudagraphs=True"
   [cudag_keep]="--variant packed --budget 16384 $AMB=0.9 --keep-unsharded --torch-config torch._inductor.config.triton.cudagraphs=True"
+  [cudag_gath]="--variant packed --budget 16384 $AMB=0.9 --set trainer.keep_gathered_params=true --torch-config torch._inductor.config.triton.cudagraphs=True"
 )
 # variant name -> environment variables for its process
 declare -A VENV=(
   [expseg]="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
   [cudag]="TORCH_LOGS=graph_breaks,recompiles,perf_hints"
   [cudag_keep]="TORCH_LOGS=graph_breaks,recompiles,perf_hints"
+  [cudag_gath]="TORCH_LOGS=graph_breaks,recompiles,perf_hints"
 )
 NAMES=("$@")
 [ ${#NAMES[@]} -gt 0 ] || NAMES=(recipe r16_rowbound amb08_16k nob16k amb07_32k padded)
