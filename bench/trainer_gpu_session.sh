@@ -34,6 +34,8 @@
 #              coordinate-descent tuning of its pointwise and reduction kernels, _prof profiled
 #   cudag_gath the recipe's settings (gath16k) with inductor's CUDA graphs: the gathered
 #              parameters are held through the step, so a block's graphs could replay within it
+#              (measured: 1.89 s, cudagraph trees off their fast path with backwards pending);
+#              cudag_gath_notrees the same with inductor's older per-graph CUDA graphs (not run)
 #   cudag, cudag_keep  amb09_16k (and keep16k) with inductor's CUDA graphs over each compiled
 #              block (the bench's rows are all 16384 tokens: static shapes), to measure what
 #              the host's launch work costs the host-bound backward
@@ -138,6 +140,7 @@ declare -A ARGS=(
   [cudag]="--variant packed --budget 16384 $AMB=0.9 --torch-config torch._inductor.config.triton.cudagraphs=True"
   [cudag_keep]="--variant packed --budget 16384 $AMB=0.9 --keep-unsharded --torch-config torch._inductor.config.triton.cudagraphs=True"
   [cudag_gath]="--variant packed --budget 16384 $AMB=0.9 --set trainer.keep_gathered_params=true --torch-config torch._inductor.config.triton.cudagraphs=True"
+  [cudag_gath_notrees]="--variant packed --budget 16384 $AMB=0.9 --set trainer.keep_gathered_params=true --torch-config torch._inductor.config.triton.cudagraphs=True --torch-config torch._inductor.config.triton.cudagraph_trees=False"
 )
 # variant name -> environment variables for its process
 declare -A VENV=(
@@ -145,6 +148,7 @@ declare -A VENV=(
   [cudag]="TORCH_LOGS=graph_breaks,recompiles,perf_hints"
   [cudag_keep]="TORCH_LOGS=graph_breaks,recompiles,perf_hints"
   [cudag_gath]="TORCH_LOGS=graph_breaks,recompiles,perf_hints"
+  [cudag_gath_notrees]="TORCH_LOGS=graph_breaks,recompiles,perf_hints"
 )
 NAMES=("$@")
 [ ${#NAMES[@]} -gt 0 ] || NAMES=(recipe r16_rowbound amb08_16k nob16k amb07_32k padded)
