@@ -3,7 +3,7 @@ invocation, on workloads with long-tailed response lengths: batch mode at k = 1 
 asynchronous recipe) and k = 2, continuous at k = 2 with sync.prefer_fresh (the default: a
 group waits for fresher weights while the trainer has work) and without it, and continuous at
 k = 3 (a looser bound on the long tail), and the recommended asynchronous setting: continuous
-at k = 3 without prefer_fresh, with IcePop's correction (the 0.5B GPU recipe's; its learning
+at k = 3 without prefer_fresh, with IcePop's correction (the GPU recipes'; its learning
 is measured by bench/async_quality.py); --modes picks others (k = 3 without prefer_fresh with
 AIPO).
 
