@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DIST = Path(__file__).resolve().parent / "dist"
+
+# torchrun makes a log directory per launch (`torchelastic_*`, its ranks' error files) in the
+# temporary directory and never removes it: the suite's ~100 launches left as many behind.
+# Every launch of the session (the tests' own torchrun commands, and those llamarl.launch
+# starts) reads its --log-dir from PET_LOG_DIR: one directory, removed when the session ends.
+ELASTIC_LOG_DIR = tempfile.mkdtemp(prefix="llamarl-tests-torchelastic-")
+os.environ["PET_LOG_DIR"] = ELASTIC_LOG_DIR
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(ELASTIC_LOG_DIR, ignore_errors=True)
 
 
 def has_cuda() -> bool:
