@@ -33,13 +33,18 @@ def test_sampler_seeds_differ_for_every_call_and_run():
     assert sampler_seed(3, "train", 7, 1) == sampler_seed(3, "train", 7, 1)  # deterministic
 
 
-def test_engine_samples_independently_and_survives_preemption(tiny_model_dir):
+def test_engine_samples_independently_and_survives_preemption(tiny_model_dir, tmp_path):
     """384 sequences in a KV cache that holds 163 at full length, 23k prompt tokens against a
-    4096-token step budget: vLLM chunks prefills and preempts (counted in its scheduler)."""
+    4096-token step budget: vLLM chunks prefills and preempts (counted in its scheduler).
+    The engine leaves nothing in the temporary directory (vLLM's FileStore of its one-rank
+    process group stayed behind before)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
     proc = subprocess.run([sys.executable, str(DIST / "engine_sampling.py"), str(tiny_model_dir),
-                           "0.02"], cwd=ROOT, env=child_env(OMP_NUM_THREADS=2),
+                           "0.02"], cwd=ROOT, env=child_env(OMP_NUM_THREADS=2, TMPDIR=tmp),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not list(tmp.glob("vllm_dist_*")), list(tmp.iterdir())
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["preemptions"] > 0, out
     assert "will preempt" in out["kv"] and "generator.kv_cache_gib=0.05" in out["kv"], out["kv"]
@@ -50,6 +55,7 @@ def test_engine_samples_independently_and_survives_preemption(tiny_model_dir):
     assert out["distinct_in_group0"] == 8, out
     # deterministic in the seed, preemption included; another seed, other samples
     assert out["same_seed_identical"] and not out["other_seed_identical"], out
+    assert out["store_files"] == [], out["store_files"]  # none while the engine runs either
 
 
 def test_kv_bytes_per_token_from_config(tmp_path):

@@ -13,6 +13,7 @@ vLLM reads them; the leader sends its calls (methods marked @spmd) to the others
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import os
@@ -102,6 +103,36 @@ def _sampled_logprobs(ids: list[int], logprobs) -> list[float]:
     assert len(logprobs.logprobs) == len(ids) and logprobs.token_ids == ids, \
         "vLLM returned other logprobs than one per sampled token"
     return list(logprobs.logprobs)
+
+
+@contextlib.contextmanager
+def _file_store_removed():
+    """vLLM's single-process executor (a tp = 1 engine) meets its one-rank process group
+    through a c10d FileStore, `vllm_dist_<uuid>` in the temporary directory, and never removes
+    it: every engine start left a file there (about 100 per test-suite run). Note the path
+    while the engine starts and remove the file once it is up: its process groups are made by
+    then, and c10d's FileStore skips its own clean-up where the file is gone."""
+    try:
+        from vllm.v1.executor import uniproc_executor
+        original = uniproc_executor.get_file_store_init_method
+    except (ImportError, AttributeError):  # another vLLM layout: nothing to clean
+        yield
+        return
+    made: list[str] = []
+
+    def noting() -> str:
+        url = original()
+        made.append(url.removeprefix("file://"))
+        return url
+
+    uniproc_executor.get_file_store_init_method = noting
+    try:
+        yield
+    finally:
+        uniproc_executor.get_file_store_init_method = original
+        for path in made:
+            with contextlib.suppress(OSError):
+                os.remove(path)
 
 
 def sampler_seed(run_seed: int, purpose: str, step: int, engine: int, round_: int = 0) -> int:
@@ -214,12 +245,13 @@ class Engine:
         self.commands: EngineCommands | None = None
         self._in_command = False
         try:
-            self.llm = LLM(
-                model=model_path, dtype=dtype, seed=seed, tensor_parallel_size=cfg.tp,
-                max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager,
-                worker_extension_cls=WORKER_EXTENSION, logprobs_mode="processed_logprobs",
-                enable_prefix_caching=True, max_num_seqs=cfg.max_num_seqs or sequences,
-                **memory, **extra)
+            with _file_store_removed():
+                self.llm = LLM(
+                    model=model_path, dtype=dtype, seed=seed, tensor_parallel_size=cfg.tp,
+                    max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager,
+                    worker_extension_cls=WORKER_EXTENSION, logprobs_mode="processed_logprobs",
+                    enable_prefix_caching=True, max_num_seqs=cfg.max_num_seqs or sequences,
+                    **memory, **extra)
         except Exception as e:  # vLLM's own words name none of the recipe's keys
             raise RuntimeError(f"the vLLM engine did not start: {self._meaning(e)} "
                                f"({_first_line(e)})") from e

@@ -31,6 +31,10 @@ def main(model_dir: str, kv_cache_gib: float) -> None:
     cfg = GeneratorConfig(max_model_len=128, kv_cache_gib=kv_cache_gib, block_size=32,
                           prompts_per_step=48, samples_per_prompt=8)
     engine = Engine(model_dir, cfg, "float32", seed=0, on_cpu=True)
+    # what the running engine keeps in the temporary directory (vLLM's FileStore: removed)
+    import tempfile
+    from pathlib import Path
+    store_files = [p.name for p in Path(tempfile.gettempdir()).glob("vllm_dist_*")]
     prompts = [[1] + [4 + (i * 7 + j * 3) % 26 for j in range(59)] for i in range(48)]
     prompts[1] = list(prompts[0])
 
@@ -55,6 +59,7 @@ def main(model_dir: str, kv_cache_gib: float) -> None:
         "distinct_in_group0": len({tuple(s) for s in first[0]}),
         "same_seed_identical": first == again,
         "other_seed_identical": first == other,
+        "store_files": store_files,
     }), flush=True)
 
 
