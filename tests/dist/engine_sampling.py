@@ -11,6 +11,8 @@ look like (the test asserts on them).
 
 import json
 import sys
+import tempfile
+from pathlib import Path
 
 
 def main(model_dir: str, kv_cache_gib: float) -> None:
@@ -32,8 +34,6 @@ def main(model_dir: str, kv_cache_gib: float) -> None:
                           prompts_per_step=48, samples_per_prompt=8)
     engine = Engine(model_dir, cfg, "float32", seed=0, on_cpu=True)
     # what the running engine keeps in the temporary directory (vLLM's FileStore: removed)
-    import tempfile
-    from pathlib import Path
     store_files = [p.name for p in Path(tempfile.gettempdir()).glob("vllm_dist_*")]
     prompts = [[1] + [4 + (i * 7 + j * 3) % 26 for j in range(59)] for i in range(48)]
     prompts[1] = list(prompts[0])
