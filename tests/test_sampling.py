@@ -126,3 +126,16 @@ def test_kv_cache_below_one_sequence_stops_the_run_in_one_line(tmp_path, cache_d
     line = rank_line(proc.stderr, "rank 2 (generator 0)")
     assert line is not None, proc.stderr[-4000:]
     assert "generator.kv_cache_gib = 1e-05 holds less than one sequence" in line, line
+
+
+def test_prefix_cache_off_where_no_block_can_fill_changes_no_sample(tiny_model_dir):
+    """max_model_len 64 under 128-token CPU blocks (the tiny recipes): vLLM's prefix cache can
+    never hit, so the engine turns it off; the samples and logprobs equal those of an engine
+    with the cache forced on, over three seeded calls."""
+    proc = subprocess.run([sys.executable, str(DIST / "engine_prefix_cache.py"),
+                           str(tiny_model_dir)], cwd=ROOT, env=child_env(OMP_NUM_THREADS=1),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not out["auto_prefix_caching"] and out["cached_prefix_caching"], out
+    assert out["same_samples"] and out["tokens"] > 16 * 8 * 3, out

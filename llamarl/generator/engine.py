@@ -232,6 +232,12 @@ class Engine:
         else:
             memory = {"gpu_memory_utilization": cfg.gpu_memory_utilization}
         extra = {}
+        # vLLM caches whole blocks only: where no sequence can fill one (max_model_len below
+        # the block size, as in the tiny CPU recipes: 64 tokens, blocks of 128) the prefix
+        # cache can never hit, and its bookkeeping (block hashes, cache lookups on every new
+        # request) was 3-7% of a tiny model's generate call. Off there; the samples are the
+        # same (tests/test_sampling.py).
+        self.prefix_caching = cfg.max_model_len >= self.block_size
         if cfg.tp > 1:
             extra["distributed_executor_backend"] = "external_launcher"
         if cfg.block_size:
@@ -250,7 +256,7 @@ class Engine:
                     model=model_path, dtype=dtype, seed=seed, tensor_parallel_size=cfg.tp,
                     max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager,
                     worker_extension_cls=WORKER_EXTENSION, logprobs_mode="processed_logprobs",
-                    enable_prefix_caching=True, max_num_seqs=cfg.max_num_seqs or sequences,
+                    enable_prefix_caching=self.prefix_caching, max_num_seqs=cfg.max_num_seqs or sequences,
                     **memory, **extra)
         except Exception as e:  # vLLM's own words name none of the recipe's keys
             raise RuntimeError(f"the vLLM engine did not start: {self._meaning(e)} "
