@@ -56,6 +56,8 @@ def test_engine_samples_independently_and_survives_preemption(tiny_model_dir, tm
     # deterministic in the seed, preemption included; another seed, other samples
     assert out["same_seed_identical"] and not out["other_seed_identical"], out
     assert out["store_files"] == [], out["store_files"]  # none while the engine runs either
+    # the sampled tokens' logprobs read off the sampler are vLLM's own, bit for bit
+    assert out["sampler_logprobs_equal_vllm"] and out["greedy_logprobs_equal_vllm"], out
 
 
 def test_kv_bytes_per_token_from_config(tmp_path):

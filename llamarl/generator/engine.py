@@ -40,6 +40,7 @@ from llamarl.generator.kv_cache import (
     plan_kv_cache,
     sequence_bytes,
 )
+from llamarl.generator.sampled_logprobs import SampledLogprobCapture
 from llamarl.generator.tp import EngineCommands, spmd
 from llamarl.parallel.transports.base import TransportSpec
 
@@ -85,15 +86,16 @@ class _Request:
             self.marked = upto
 
 
-def _sampling_params(**kw):
+def _sampling_params(logprobs: int | None = 0, **kw):
     """vLLM SamplingParams for our samples: plain temperature sampling (top_p = 1, top_k off:
     the trainer recomputes the logprobs of exactly that softmax), the sampled token's logprob
     only, in vLLM's flat form, and no detokenisation: vLLM would decode every token and every
     logprob's token to text as it goes (13% of the tiny model's engine time, profiled);
-    the text of a finished sample is decoded once instead (_text)."""
+    the text of a finished sample is decoded once instead (_text). `logprobs=None` where
+    the engine reads them off the sampler itself (generator/sampled_logprobs.py)."""
     from vllm import SamplingParams
 
-    return SamplingParams(top_p=1.0, top_k=0, logprobs=0, flat_logprobs=True,
+    return SamplingParams(top_p=1.0, top_k=0, logprobs=logprobs, flat_logprobs=True,
                           detokenize=False, **kw)
 
 
@@ -256,8 +258,8 @@ class Engine:
                     model=model_path, dtype=dtype, seed=seed, tensor_parallel_size=cfg.tp,
                     max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager,
                     worker_extension_cls=WORKER_EXTENSION, logprobs_mode="processed_logprobs",
-                    enable_prefix_caching=self.prefix_caching, max_num_seqs=cfg.max_num_seqs or sequences,
-                    **memory, **extra)
+                    enable_prefix_caching=self.prefix_caching,
+                    max_num_seqs=cfg.max_num_seqs or sequences, **memory, **extra)
         except Exception as e:  # vLLM's own words name none of the recipe's keys
             raise RuntimeError(f"the vLLM engine did not start: {self._meaning(e)} "
                                f"({_first_line(e)})") from e
@@ -268,6 +270,10 @@ class Engine:
         # under the external launcher), so the weight sync calls it directly: collective_rpc's
         # layers cost ~0.1 ms a call on the 2-core CPU, 5% of a tiny model's sync.
         self.worker = self.llm.collective_rpc("llamarl_worker")[0]
+        # generate() on a CPU reads the sampled tokens' logprobs off vLLM's sampler instead of
+        # asking vLLM for them (9% of the tiny model's call: generator/sampled_logprobs.py);
+        # the same values. None: vLLM's logprobs outputs (GPU, where it is not verified).
+        self.logprob_capture = SampledLogprobCapture(self.worker.model_runner) if on_cpu else None
         if on_cpu and threads:
             # vLLM's CPU worker replaces torch.set_num_threads with a no-op once it has bound
             # its threads; with VLLM_CPU_OMP_THREADS_BIND=nobind nothing is bound, so the
@@ -330,23 +336,39 @@ class Engine:
 
         paused = self.pause()  # requests in flight (continuous mode): continue them after
         self.begin(seed)
-        params = _sampling_params(n=n, temperature=temperature, max_tokens=max_tokens)
+        capture = self.logprob_capture
+        params = _sampling_params(n=n, temperature=temperature, max_tokens=max_tokens,
+                                  logprobs=None if capture else 0)
+        logprobs = None
         try:
+            if capture:
+                capture.start()
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                                         params, use_tqdm=False)
         except Exception as e:
             raise RuntimeError(f"the vLLM engine failed generating {len(prompts)} prompts x {n} "
                                f"samples of up to {max_tokens} tokens: {self._meaning(e)} "
                                f"({_first_line(e)})") from e
+        finally:
+            if capture:
+                logprobs = capture.collect()
         if paused:
             self.resume()
-        return [[self._completion(c) for c in out.outputs] for out in outputs]
+        return [[self._completion(c, None if logprobs is None
+                                  else logprobs.get((out.request_id, c.index), []))
+                 for c in out.outputs] for out in outputs]
 
-    def _completion(self, c) -> Completion:
-        """A vLLM CompletionOutput as token ids, the sampled tokens' logprobs and the text."""
+    def _completion(self, c, logprobs: list[float] | None = None) -> Completion:
+        """A vLLM CompletionOutput as token ids, the sampled tokens' logprobs (vLLM's, or
+        `logprobs` read off the sampler) and the text."""
         ids = list(c.token_ids)
-        return Completion(ids, _sampled_logprobs(ids, c.logprobs), c.finish_reason or "length",
-                          self._text(ids))
+        if logprobs is None:
+            logprobs = _sampled_logprobs(ids, c.logprobs)
+        elif len(logprobs) != len(ids):
+            raise RuntimeError(f"the sampler gave {len(logprobs)} logprobs for a sample of "
+                               f"{len(ids)} tokens: this vLLM samples differently from the one "
+                               "generator/sampled_logprobs.py was written for")
+        return Completion(ids, logprobs, c.finish_reason or "length", self._text(ids))
 
     def _text(self, ids: list[int]) -> str:
         # what vLLM's incremental detokeniser gives at the end (skip_special_tokens=True)

@@ -5,8 +5,9 @@
 48 prompts of 60 tokens (prompt 1 repeats prompt 0) x 8 samples of up to 60 tokens: 384
 sequences, far more than the cache holds at full length, and 23k prompt tokens, far more than
 one engine step's token budget (4096 on CPU), so vLLM both chunks prefills and preempts running
-sequences. Prints one JSON line: preemptions counted in vLLM's scheduler, and what the samples
-look like (the test asserts on them).
+sequences. Prints one JSON line: preemptions counted in vLLM's scheduler, what the samples
+look like, and whether the logprobs the engine reads off the sampler equal vLLM's own (the
+test asserts on them).
 """
 
 import json
@@ -45,6 +46,21 @@ def main(model_dir: str, kv_cache_gib: float) -> None:
     first, groups = run(sampler_seed(0, "train", 0, 0))
     again, _ = run(sampler_seed(0, "train", 0, 0))
     other, _ = run(sampler_seed(0, "train", 1, 0))
+
+    # the logprobs read off the sampler (the CPU default) against vLLM's own logprobs outputs,
+    # on this batch of chunked prefills and preemptions, and on greedy single samples (n = 1)
+    def both_ways(*args):
+        read = [[(c.token_ids, c.logprobs) for c in g] for g in engine.generate(*args)]
+        capture, engine.logprob_capture = engine.logprob_capture, None
+        try:
+            asked = [[(c.token_ids, c.logprobs) for c in g] for g in engine.generate(*args)]
+        finally:
+            engine.logprob_capture = capture
+        return read == asked and len(read) > 0
+
+    sampler_read = capture_on = engine.logprob_capture is not None
+    sampler_read = sampler_read and both_ways(prompts, 8, 1.0, 60, sampler_seed(0, "train", 0, 0))
+    greedy_read = capture_on and both_ways(prompts[:6], 1, 0.0, 20, sampler_seed(0, "greedy", 0, 0))
     samples = [s for g in first for s in g]
     print(json.dumps({
         "preemptions": len(preempted),
@@ -60,6 +76,7 @@ def main(model_dir: str, kv_cache_gib: float) -> None:
         "same_seed_identical": first == again,
         "other_seed_identical": first == other,
         "store_files": store_files,
+        "sampler_logprobs_equal_vllm": sampler_read, "greedy_logprobs_equal_vllm": greedy_read,
     }), flush=True)
 
 
