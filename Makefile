@@ -55,6 +55,7 @@ bench: install
 	$(DROP_CUDA_ONLY)
 	$(PY) bench/peer_trl.py
 	$(PY) bench/generator_throughput.py
+	$(PY) bench/engine_overheads.py
 	$(PY) bench/async_pipeline.py
 	$(PY) bench/data_path.py
 	$(PY) bench/multi_turn_concurrency.py

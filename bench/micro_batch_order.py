@@ -5,6 +5,9 @@ same batch, the layouts taking turns, so the machine's drift hits all alike.
     by_length       padded rows of similar lengths together (`rl_step.by_length`)
     shared_prompts  each group one row, its prompt computed once (trainer.share_prompts: true)
     auto            trainer.share_prompts: auto (the default) choosing between the two
+    *_repeat_kv     (tiny) the same with the key/value heads repeated for every masked
+                    attention call, as Hugging Face's sdpa does, instead of llamarl_sdpa's
+                    grouped heads (trainer/varlen_attention.py)
 
 Workload `tiny` (the default): the default recipe's shapes, the embedded tiny model, 64
 prompts x 8 samples, prompts of 8-15 tokens (one length per group), completions of 1-12
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -65,7 +69,9 @@ WORKLOADS = {
              dict(prompts=64, samples=8),
              {"given": PADDED, "by_length": PADDED, "shared_prompts": SHARED,
               "shared_prompts_256": SHARED + ["trainer.micro_batch_size=256"],
-              "auto_256": ["trainer.micro_batch_size=256"]}),
+              "auto_256": ["trainer.micro_batch_size=256"],
+              "auto_256_repeat_kv": ["trainer.micro_batch_size=256"],
+              "by_length_repeat_kv": PADDED}),
     "gen24m": ("24M Qwen2 (bench/peer_trl.py's generation-heavy model), 8 prompts x 8 samples, "
                "prompts 10-15 tokens, completions 64-128, micro-batches of 32 rows, 1 FSDP2 "
                "rank", 32, dict(prompts=8, samples=8, prompt_len=(10, 15),
@@ -89,28 +95,36 @@ def main() -> None:
     from llamarl.config import load_config
     from llamarl.parallel.fsdp import apply_fsdp
     from llamarl.tiny.model import build_model
-    from llamarl.trainer import rl_step
+    from llamarl.trainer import rl_step, varlen_attention
     from llamarl.trainer.step import PolicyTrainer
 
     what, rows, shape, layouts = WORKLOADS[args.workload]
     base = [f"trainer.micro_batch_size={rows}", "trainer.ranks=1"]
-    if args.workload == "tiny":
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    from llamarl.trainer.policy import load_policy
+
+    if args.workload == "tiny":  # saved and loaded as the trainer loads it (llamarl_sdpa)
+        from llamarl.tiny.model import save_hf_dir
+
         model, tok = build_model(0)
+        path = Path(tempfile.mkdtemp(prefix="llamarl-bench-tiny-")) / "model"
+        save_hf_dir(path, model.state_dict(), model.config, tok)
     else:
-        import tempfile
-
         from peer_trl import build_gen_model
-        from transformers import AutoTokenizer
-
-        from llamarl.trainer.policy import load_policy
 
         path = build_gen_model(Path(tempfile.gettempdir()) / "llamarl-bench-gen24m")
-        model, tok = load_policy(path, "float32"), AutoTokenizer.from_pretrained(path)
+    model, tok = load_policy(str(path), "float32"), AutoTokenizer.from_pretrained(path)
     apply_fsdp(model, init_device_mesh("cpu", (1,)), torch.float32)
     cfg = load_config(None, base)
     trainer = PolicyTrainer(model, cfg.trainer, 10_000, 1, torch.device("cpu"))
     batch = recipe_batch(vocab=model.config.vocab_size, seed=0, **shape)
     sort = rl_step.by_length
+    gqa = varlen_attention._cpu_masked_gqa
+    def repeat_kv(*args):  # noqa: E306 - Hugging Face's choice: repeat the heads
+        return False
     cfgs = {name: load_config(None, base + extra) for name, extra in layouts.items()}
     times = {name: [] for name in layouts}
     padding, shared = {}, {}
@@ -118,18 +132,24 @@ def main() -> None:
         for name in layouts:
             # "given": padded rows in the batch's order
             rl_step.by_length = (lambda idx, lens: idx) if name == "given" else sort
+            varlen_attention._cpu_masked_gqa = repeat_kv if name.endswith("_repeat_kv") else gqa
             t0 = time.perf_counter()
             stats = rl_step.policy_step(trainer, batch, cfgs[name], tok.pad_token_id)
             if i:  # the first of each is warm-up
                 times[name].append(time.perf_counter() - t0)
             padding[name], shared[name] = stats["padding_share"], stats["shared_prompts"]
     rl_step.by_length = sort
+    varlen_attention._cpu_masked_gqa = gqa
     out = {"workload": what, "threads": args.threads, "repeats": repeats}
     for name in layouts:
         out[name] = {"update_s_median": statistics.median(times[name]),
                      "update_s_min": min(times[name]), "padding_share": padding[name],
                      "shared_prompts": shared[name], "update_s_all": times[name]}
     for name in layouts:
+        if name.endswith("_repeat_kv"):  # Hugging Face's repeat against the grouped heads
+            grouped = out[name.removesuffix("_repeat_kv")]["update_s_median"]
+            out[f"{name.removesuffix('_repeat_kv')}_grouped_over_repeat_kv"] = (
+                grouped / out[name]["update_s_median"])
         if name != "by_length":
             out[f"{name}_over_by_length"] = (out[name]["update_s_median"]
                                              / out["by_length"]["update_s_median"])
@@ -137,6 +157,8 @@ def main() -> None:
     suffix = "" if args.workload == "tiny" else f"_{args.workload}"
     Path(f"bench/results/micro_batch_order{suffix}.json").write_text(
         json.dumps(out, indent=1) + "\n")
+    if args.workload == "tiny":
+        shutil.rmtree(path.parent, ignore_errors=True)
     dist.destroy_process_group()
 
 
