@@ -4,6 +4,7 @@ the same model, prompts, reward and hyper-parameters, one run after the other on
     python bench/peer_trl.py                       # both workloads, 3 seeds of the tiny one
     python bench/peer_trl.py --workload tiny --seeds 0 1 2 3
     python bench/peer_trl.py --workload gen        # the generation-heavy one only
+    python bench/peer_trl.py --merge A.json B.json --out AB.json   # seeds of two runs as one
 
 Workload `tiny` (learning speed): the default recipe (recipes/tiny_grpo_cpu.yaml: the warm-started
 tiny Qwen2, string reversal, 64 prompts x 8 samples, lr 1e-3 with 2 warm-up steps, AdamW, grad clip
@@ -16,7 +17,10 @@ reward (128 prompts never trained on x 4 samples at T = 1) every --eval-every st
   * TRL GRPOTrainer with the same settings (loss_type dapo = token mean over the batch,
     scale_rewards group, beta 0, epsilon 0.2, one optimizer step per 64 x 8 batch).
 Per run: median step time, training time (step times summed, evaluations excluded; with them
-in brackets) and steps to held-out reward 0.6 and 0.7. Medians over seeds, and the ratios.
+in brackets) and steps to held-out reward 0.6 and 0.7. Medians over seeds, and the ratios;
+and the same read off the seeds' mean held-out curve (steadier: a seed's own crossing moves by
+10-40 steps between seeds). `--merge A.json B.json` makes one table of invocations run on
+other seeds.
 
 Workload `gen` (generation-heavy): a 24M-parameter Qwen2 built in code (hidden 512, 8 layers,
 8 heads, 2 KV heads, intermediate 1536) with a 512-symbol vocabulary (a random policy then
@@ -192,7 +196,9 @@ def run_trl(model_dir: str, seed: int, steps: int, eval_every: int, prompts: int
 def summary(curve, train_time, step_s, **extra) -> dict:
     """Steps and training time to each threshold (first eval at or above it), the curve."""
     out = {"median_step_s": statistics.median(step_s[1:] or step_s), "steps": len(step_s),
-           "curve": curve, "final": curve[-1][1], **extra}
+           "curve": curve, "final": curve[-1][1], **extra,
+           # training time (evaluations excluded) up to each evaluation: for the mean curve
+           "train_time_at": [[s, round(train_time(s, False), 2)] for s, _ in curve]}
     for th in THRESHOLDS:
         hit = next((s for s, r in curve if r >= th), None)
         out[f"steps_to_{th}"] = hit
@@ -246,8 +252,41 @@ def tiny_workload(args, env) -> dict:
     for name, runs in results.items():
         if not runs:
             continue
-        table[name] = {k: med([r[k] for r in runs]) for k in runs[0] if k != "curve"}
+        table[name] = {k: med([r[k] for r in runs]) for k in runs[0]
+                       if k not in ("curve", "train_time_at")}
+        table[name].update(mean_curve(runs))
     return {"runs": results, "median": table}
+
+
+def mean_curve(runs: list[dict]) -> dict:
+    """The seeds' held-out rewards averaged at each evaluation: the first evaluation where
+    that mean reaches each threshold, and the median over seeds of the training time up to
+    it. A less noisy reading than the per-seed crossings (one evaluation apart, 10-40 steps
+    between seeds and between runs of the same seed), which the table's medians keep."""
+    steps = [s for s, _ in runs[0]["curve"]]
+    mean = [statistics.mean(dict(r["curve"])[s] for r in runs) for s in steps]
+    out = {"mean_curve": [[s, round(m, 4)] for s, m in zip(steps, mean)]}
+    for th in THRESHOLDS:
+        hit = next((s for s, m in zip(steps, mean) if m >= th), None)
+        out[f"mean_curve_steps_to_{th}"] = hit
+        out[f"mean_curve_time_to_{th}"] = None if hit is None else med(
+            [dict(r["train_time_at"])[hit] if "train_time_at" in r
+             else hit * r["median_step_s"] for r in runs])  # (results of older benches)
+    return out
+
+
+def merge(paths: list[str]) -> dict:
+    """The tiny workload of several invocations (other seeds) as one: runs concatenated,
+    medians and the mean curve recomputed. Runs written before `train_time_at` existed
+    count the time to a mean-curve crossing as steps x their median step."""
+    results: dict[str, list] = {}
+    for p in paths:
+        for name, runs in json.loads(Path(p).read_text())["tiny"]["runs"].items():
+            results.setdefault(name, []).extend(runs)
+    table = {name: {**{k: med([r.get(k) for r in runs]) for k in runs[0]
+                       if k not in ("curve", "train_time_at")}, **mean_curve(runs)}
+             for name, runs in results.items() if runs}
+    return {"runs": results, "median": table, "merged": paths}
 
 
 def build_gen_model(path: Path) -> str:
@@ -311,11 +350,17 @@ def main() -> None:
                     help="another llamarl recipe to run beside the default: the one "
                          "recommended on a small CPU machine (\"\" for none)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/peer_trl.json"))
+    ap.add_argument("--merge", nargs="+", metavar="RESULTS", help="no runs: the tiny workload "
+                    "of these result files (other seeds) as one table, written to --out")
     args = ap.parse_args()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     result = {"machine": f"{os.cpu_count()} cores", "args": vars(args)}
-    if args.workload in ("tiny", "both"):
+    if args.merge:
+        result["tiny"] = merge(args.merge)
+        args.workload = "tiny"
+    elif args.workload in ("tiny", "both"):
         result["tiny"] = tiny_workload(args, env)
+    if args.workload in ("tiny", "both"):
         t = result["tiny"]["median"]
         print("\n| run | median step s | steps to 0.6 | train s to 0.6 (with evals) | steps to 0.7 "
               "| train s to 0.7 | final | gen tok/s |\n|---|---|---|---|---|---|---|---|")
@@ -330,6 +375,12 @@ def main() -> None:
                     a, b = t.get(name, {}).get(f"time_to_{th}"), t["trl"][f"time_to_{th}"]
                     if a and b:
                         print(f"{name} / TRL training time to {th}: {a / b:.2f}x")
+                    a = t.get(name, {}).get(f"mean_curve_time_to_{th}")
+                    b = t["trl"][f"mean_curve_time_to_{th}"]
+                    if a and b:
+                        print(f"{name} / TRL training time to {th}, seeds' mean curve "
+                              f"(steps {t[name][f'mean_curve_steps_to_{th}']} / "
+                              f"{t['trl'][f'mean_curve_steps_to_{th}']}): {a / b:.2f}x")
     if args.workload in ("gen", "both"):
         result["gen"] = gen_workload(args, env)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -273,7 +273,8 @@ class Engine:
         # generate() on a CPU reads the sampled tokens' logprobs off vLLM's sampler instead of
         # asking vLLM for them (9% of the tiny model's call: generator/sampled_logprobs.py);
         # the same values. None: vLLM's logprobs outputs (GPU, where it is not verified).
-        self.logprob_capture = SampledLogprobCapture(self.worker.model_runner) if on_cpu else None
+        self.logprob_capture = (SampledLogprobCapture.install(self.worker.model_runner)
+                                if on_cpu else None)
         if on_cpu and threads:
             # vLLM's CPU worker replaces torch.set_num_threads with a no-op once it has bound
             # its threads; with VLLM_CPU_OMP_THREADS_BIND=nobind nothing is bound, so the

@@ -36,6 +36,16 @@ import torch
 class SampledLogprobCapture:
     """Installed once on a vLLM model runner (`install`); records while `start`ed."""
 
+    @classmethod
+    def install(cls, runner) -> SampledLogprobCapture | None:
+        """The capture on `runner`, or None where the runner lacks what it reads (another
+        vLLM): the engine then asks vLLM for the logprobs as before."""
+        sampler = getattr(runner, "sampler", None)
+        if not all(hasattr(o, a) for o, a in ((sampler, "sample"), (runner, "input_batch"),
+                                               (runner, "discard_request_mask"))):
+            return None
+        return cls(runner)
+
     def __init__(self, runner):
         self.runner = runner
         self.steps: list[tuple[list[str], object, torch.Tensor]] = []
