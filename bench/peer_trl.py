@@ -61,7 +61,9 @@ def run_llamarl(recipe: str, out: Path, overrides: list[str], env: dict) -> Path
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
            "-m", "llamarl.launch", recipe, f"run.output_dir={out}", *overrides]
     with open(out / "launch.log", "w") as log:
-        subprocess.run(cmd, cwd=ROOT, check=True, stdout=log, stderr=log, env=env)
+        # torchrun's per-launch log directory, removed with `out` (else one in /tmp per run)
+        subprocess.run(cmd, cwd=ROOT, check=True, stdout=log, stderr=log,
+                       env={**env, "PET_LOG_DIR": str(out / "torchelastic")})
     (run,) = [p for p in out.iterdir() if p.is_dir()]
     return run
 
