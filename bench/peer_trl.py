@@ -61,9 +61,10 @@ def run_llamarl(recipe: str, out: Path, overrides: list[str], env: dict) -> Path
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
            "-m", "llamarl.launch", recipe, f"run.output_dir={out}", *overrides]
     with open(out / "launch.log", "w") as log:
-        # torchrun's per-launch log directory, removed with `out` (else one in /tmp per run)
+        # torchrun's per-launch log directory, beside `out` in the caller's temporary
+        # directory (else one is left in /tmp per run)
         subprocess.run(cmd, cwd=ROOT, check=True, stdout=log, stderr=log,
-                       env={**env, "PET_LOG_DIR": str(out / "torchelastic")})
+                       env={**env, "PET_LOG_DIR": str(out.parent / f"{out.name}-torchelastic")})
     (run,) = [p for p in out.iterdir() if p.is_dir()]
     return run
 
