@@ -237,8 +237,8 @@ class Engine:
         # vLLM caches whole blocks only: where no sequence can fill one (max_model_len below
         # the block size, as in the tiny CPU recipes: 64 tokens, blocks of 128) the prefix
         # cache can never hit, and its bookkeeping (block hashes, cache lookups on every new
-        # request) was 3-7% of a tiny model's generate call. Off there; the samples are the
-        # same (tests/test_sampling.py).
+        # request) was 2-7% of a tiny model's generate call (bench/engine_overheads.py). Off
+        # there; the samples are the same (tests/test_sampling.py).
         self.prefix_caching = cfg.max_model_len >= self.block_size
         if cfg.tp > 1:
             extra["distributed_executor_backend"] = "external_launcher"

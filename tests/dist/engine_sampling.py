@@ -58,8 +58,8 @@ def main(model_dir: str, kv_cache_gib: float) -> None:
             engine.logprob_capture = capture
         return read == asked and len(read) > 0
 
-    sampler_read = capture_on = engine.logprob_capture is not None
-    sampler_read = sampler_read and both_ways(prompts, 8, 1.0, 60, sampler_seed(0, "train", 0, 0))
+    capture_on = engine.logprob_capture is not None
+    sampler_read = capture_on and both_ways(prompts, 8, 1.0, 60, sampler_seed(0, "train", 0, 0))
     greedy_read = capture_on and both_ways(prompts[:6], 1, 0.0, 20, sampler_seed(0, "greedy", 0, 0))
     samples = [s for g in first for s in g]
     print(json.dumps({
