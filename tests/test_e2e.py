@@ -56,6 +56,12 @@ def test_launch_writes_the_run_directory(finished_run):
         assert 0.0 <= r["reward_mean"] <= 1.0 and r["tokens_generated"] > 0
         # the engine samples from exactly the trainer's weights, up to bf16 rounding
         assert r["mismatch_kl"] < 1e-3, "engine and trainer disagree after weight syncs"
+        # the step's parts and the trainer's bookkeeping (other_s) make up its period
+        parts = sum(r[k] for k in ("wait_s", "transfer_s", "train_s", "sync_s",
+                                   "checkpoint_s", "other_s"))
+        assert r["other_s"] >= 0.0 and abs(parts - r["step_time_s"]) < 1e-6
+    # step times are periods: they sum to the run's wall-clock time, as a peer's clock reads
+    assert abs(sum(r["step_time_s"] for r in rows) - rows[-1]["elapsed_s"]) < 1e-6
     assert [r["policy_version"] for r in rows] == [1, 2, 3]
     evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [0, 2, 3]

@@ -14,7 +14,8 @@ def make_row(step: int, **extra) -> dict:
     row = {"step": step, "policy_version": step, "reward_mean": 0.5 + 0.1 * step, "loss": -0.25,
            "response_len": 5.5, "entropy": 1.234, "kl_ref": 0.00123, "mismatch_kl": 2e-9,
            "clip_frac": 0.0626, "staleness_mean": 0.5, "step_time_s": 1.5, "wait_s": 0.75,
-           "transfer_s": 0.0126, "train_s": 0.5, "sync_s": 0.125, "tokens_generated": 1000,
+           "transfer_s": 0.0126, "train_s": 0.5, "sync_s": 0.125, "other_s": 0.1124,
+           "tokens_generated": 1000,
            "generate_s": 0.5, "train_tokens_per_s": 4000.0,
            # non-scalars as the trainer writes them: must not break the TensorBoard writer
            "batch_digest": "3f2a9c0d11aa", "behaviour_version_by_engine": {"0": 2, "1": 1},
@@ -33,7 +34,7 @@ def test_progress_line_has_every_field_of_the_issue(tmp_path):
     # gen tok/s = 1000 tokens / 0.5 s; kl_ref shown only when a reference policy is loaded
     assert with_ref == ("step 3/10 reward 0.800 len 5.5 ent 1.23 kl_ref 1.2e-03 kl_mis 2.0e-09 "
                         "clip 0.063 stale 0.5 | step 1.50s = wait 0.75 xfer 0.013 train 0.50 "
-                        "sync 0.125 | gen 2000 tok/s, train 4000 tok/s")
+                        "sync 0.125 other 0.112 | gen 2000 tok/s, train 4000 tok/s")
     assert plain == with_ref.replace("kl_ref 1.2e-03 ", "")
 
 

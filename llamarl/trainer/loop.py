@@ -186,6 +186,10 @@ def run_trainer(rt: Runtime) -> None:
             write_run_files(rt, model_path)
         sender.publish(model, version)  # generators continue from the restored policy
     run_t0 = time.perf_counter()
+    # step_time_s is the period from one step's row to the next: the parts below plus the
+    # trainer's own work between them (writing the row, logging, TensorBoard), so that the
+    # step times sum to the run's wall-clock time, as a peer's per-step clock reads it
+    t_row = run_t0
     stop = StopRequest(rt.store, rt.run_dir, r)
     for step in range(version, cfg.run.steps):
         t_step = time.perf_counter()
@@ -271,9 +275,15 @@ def run_trainer(rt: Runtime) -> None:
             # buffer cost: this rank's reads + the producers' writes (of the previous batch)
             "buffer_s": transfer_s + sum(i.get("prev_put_s", 0.0) for i in info),
             "broadcast_s": sender.last_broadcast_s,
-            "step_time_s": time.perf_counter() - t_step,
-            "elapsed_s": time.perf_counter() - run_t0,
         }
+        now = time.perf_counter()
+        period = now - t_row
+        # what the parts leave out: the trainer's bookkeeping (the last row's metrics and
+        # log line, this one's statistics, the batch's assembly)
+        other_s = period - (wait_s + transfer_s + train_s + sync_s + checkpoint_s
+                            + rm_row.get("reward_model_s", 0.0))
+        row.update(step_time_s=period, other_s=other_s, elapsed_s=now - run_t0)
+        t_row = now
         if critic is not None:
             row.update(value_loss=stats["value_loss"], critic_grad_norm=stats["critic_grad_norm"],
                        value_mean=stats["value_sum"] / n_tok,

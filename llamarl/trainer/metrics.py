@@ -75,7 +75,8 @@ class MetricsLog:
                 f"wait {row['wait_s']:.2f} xfer {row['transfer_s']:.3f}"
                 + (f" rm {row['reward_model_s']:.2f}" if "reward_model_s" in row else "") +
                 f" train {row['train_s']:.2f} sync {row['sync_s']:.3f}"
-                + (f" ckpt {row['checkpoint_s']:.2f}" if row.get("checkpoint_s") else "") +
+                + (f" ckpt {row['checkpoint_s']:.2f}" if row.get("checkpoint_s") else "")
+                + (f" other {row['other_s']:.3f}" if "other_s" in row else "") +
                 f" | gen {tok_s:.0f} tok/s, train {row['train_tokens_per_s']:.0f} tok/s"
                 + notes)
 
