@@ -26,7 +26,9 @@ Workload `gen` (generation-heavy): a 24M-parameter Qwen2 built in code (hidden 5
 8 heads, 2 KV heads, intermediate 1536) with a 512-symbol vocabulary (a random policy then
 rarely samples EOS, so responses run to 64-128 tokens), 16 prompts x 8 samples of up to 128
 tokens per step. Reports generated tokens/s, trained tokens/s and step time for the default
-recipe, the recommended one and TRL.
+recipe, the recommended one and TRL, all in float32, or with --gen-dtype bfloat16 all in
+bfloat16 mixed precision (llamarl's model.dtype over float32 master weights; TRL's bf16
+autocast over float32 weights).
 
 TRL is a bench dependency only (`make bench` installs it), never a runtime one. Results go to
 --out (JSON) and are printed as a table.
@@ -87,8 +89,11 @@ def llamarl_summary(run: Path) -> dict:
 
 # -------------------------------------------------------------------------------------- TRL
 def run_trl(model_dir: str, seed: int, steps: int, eval_every: int, prompts: int, samples: int,
-            max_new_tokens: int, lr: float, warmup: int, out: Path, data_cfg=None) -> dict:
-    """TRL's GRPOTrainer in this process (HF generate), evaluated like llamarl's Evaluator."""
+            max_new_tokens: int, lr: float, warmup: int, out: Path, data_cfg=None,
+            bf16: bool = False) -> dict:
+    """TRL's GRPOTrainer in this process (HF generate), evaluated like llamarl's Evaluator.
+    bf16: TRL's mixed precision (float32 weights and AdamW, the forwards under bfloat16
+    autocast: generation's too), as llamarl's model.dtype=bfloat16 over float32 masters."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -139,7 +144,7 @@ def run_trl(model_dir: str, seed: int, steps: int, eval_every: int, prompts: int
         gradient_accumulation_steps=prompts * samples // micro,
         num_generations=samples, max_completion_length=max_new_tokens, temperature=1.0,
         top_p=1.0, top_k=0, beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group",
-        num_iterations=1, use_cpu=True, bf16=False, fp16=False, logging_steps=1,
+        num_iterations=1, use_cpu=True, bf16=bf16, fp16=False, logging_steps=1,
         report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
 
     class Clock(TrainerCallback):
@@ -321,7 +326,8 @@ def gen_workload(args, env) -> dict:
     overrides = [f"model.path={model}", f"run.steps={args.gen_steps}", "run.eval_every=0",
                  "data.eval_prompts=8", f"generator.prompts_per_step={prompts}",
                  f"generator.max_new_tokens={new}", "generator.max_model_len=160",
-                 "trainer.micro_batch_size=32", "trainer.lr=1e-5"]
+                 "trainer.micro_batch_size=32", "trainer.lr=1e-5",
+                 f"model.dtype={args.gen_dtype}"]
     result = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, recipe in llamarl_recipes(args):
@@ -335,10 +341,11 @@ def gen_workload(args, env) -> dict:
             print(f"gen {name}: {json.dumps(result[name])}", flush=True)
         from llamarl.config import DataConfig
         trl = run_trl(model, 0, args.gen_steps, 0, prompts, samples, new, 1e-5, 0,
-                      Path(tmp) / "trl", DataConfig(eval_prompts=8))
+                      Path(tmp) / "trl", DataConfig(eval_prompts=8),
+                      bf16=args.gen_dtype == "bfloat16")
         trl.pop("curve", None)
         print(f"gen trl: {json.dumps(trl)}", flush=True)
-    return {**result, "trl": trl, "model": "Qwen2 24M, vocab 512",
+    return {**result, "trl": trl, "model": "Qwen2 24M, vocab 512", "dtype": args.gen_dtype,
             "batch": f"{prompts} prompts x {samples} samples, up to {new} new tokens"}
 
 
@@ -349,6 +356,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--gen-steps", type=int, default=3)
+    ap.add_argument("--gen-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the gen workload's compute precision, for both trainers (bfloat16: "
+                         "llamarl's model.dtype over float32 masters, TRL's bf16 autocast)")
     ap.add_argument("--recommended", default="recipes/tiny_grpo_2engines_cpu.yaml",
                     help="another llamarl recipe to run beside the default: the one "
                          "recommended on a small CPU machine (\"\" for none)")
