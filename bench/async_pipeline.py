@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import shutil
 import statistics
 import subprocess
 import sys
@@ -23,6 +24,8 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
+
+from launch_logs import torchrun_logs_in_temp
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/tiny_grpo_cpu.yaml"
@@ -84,6 +87,7 @@ def buffer_rate(n_batches: int, prompts: int, samples: int) -> float:
 
 
 def main() -> None:
+    torchrun_logs_in_temp()  # (bench/launch_logs.py)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=5)
@@ -94,6 +98,7 @@ def main() -> None:
     for k in (0, 1):
         out = Path(tempfile.mkdtemp(prefix=f"llamarl-async-k{k}-"))
         rows = run(args.steps, k, args.overrides, out)[w:]
+        shutil.rmtree(out, ignore_errors=True)  # (the run's directory: its rows are read)
         step = statistics.median(r["step_time_s"] for r in rows)
         res[k] = {
             "step_time_s": step, "steps_per_s": 1 / step,

@@ -38,6 +38,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from launch_logs import torchrun_logs_in_temp
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/tiny_grpo_cpu.yaml"
 
@@ -157,6 +159,7 @@ def plot(results: list[dict], label: str, path: Path) -> bool:
 
 
 def main() -> None:
+    torchrun_logs_in_temp()  # (bench/launch_logs.py)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", default=RECIPE, help="e.g. recipes/tiny_tool_cpu.yaml "
                     "(multi-turn); every run uses it")

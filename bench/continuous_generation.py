@@ -64,6 +64,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from launch_logs import torchrun_logs_in_temp
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/tiny_grpo_cpu.yaml"
 COMMON = ["trainer.ranks=1", "generator.engines=1", "run.eval_every=0", "data.eval_prompts=16",
@@ -159,6 +161,7 @@ def summary(rows: list[dict], mode: str) -> dict:
 
 
 def main() -> None:
+    torchrun_logs_in_temp()  # (bench/launch_logs.py)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5, help="steps left out of the totals")

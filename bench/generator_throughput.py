@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from launch_logs import torchrun_logs_in_temp
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -71,6 +73,7 @@ def median(xs):
 
 
 def main() -> None:
+    torchrun_logs_in_temp()  # (bench/launch_logs.py)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", default="recipes/tiny_grpo_cpu.yaml")
     ap.add_argument("--steps", type=int, default=40)

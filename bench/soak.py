@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from launch_logs import torchrun_logs_in_temp
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/tiny_grpo_async_cpu.yaml"
 
@@ -90,6 +92,7 @@ def growth(first: dict, last: dict) -> dict:
 
 
 def main() -> None:
+    torchrun_logs_in_temp()  # (bench/launch_logs.py)
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--every", type=int, default=50, help="sample every this many steps")
