@@ -102,7 +102,7 @@ def main() -> None:
     alone = median([r["tokens"] / r["s"] for r in rows[w:]])
     split = {k: median([m[k] for m in metrics[w:]]) for k in
              ("step_time_s", "generate_s", "reward_s", "wait_s", "transfer_s", "train_s",
-              "sync_s")}
+              "sync_s", "other_s")}
     report = {"recipe": args.recipe, "steps": args.steps, "warmup_skipped": w,
               "llamarl_gen_tokens_per_s": inside, "standalone_gen_tokens_per_s": alone,
               "ratio": inside / alone, "step_split_median_s": split, "run_dir": str(run)}
