@@ -138,6 +138,62 @@ def test_channel_moves_batches_in_order_with_backpressure_and_cleans_up():
         sweep_run(run_id)
 
 
+class _CountingStore:
+    """A store client that counts its queue_len calls (the consumer's looks at its queue)."""
+
+    def __init__(self, store):
+        self.store, self.looks = store, 0
+
+    def queue_len(self, key):
+        self.looks += 1
+        return self.store.queue_len(key)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def _put_later(port: int, run_id: str, delays: list[float]):
+    ch = ShmChannel(_store(port, False), run_id, "e0t3", 4)
+    for i, delay in enumerate(delays):
+        time.sleep(delay)
+        ch.put(make_batch(2, 2, seed=i, version=i))
+    ch.close(drain_timeout_s=60)
+
+
+def test_consumer_waits_for_a_push_without_polling_the_store():
+    """With a store connection for its PushWaker (as the trainer's channels have), a waiting
+    consumer looks at its queue every WAKED_POLL_S and when the producer's push wakes it, not
+    every POLL_S (2 ms: ~5% of a core in the consumer and more in the store's server, taken
+    from the engines while they generate). Every batch arrives, in order, and the waker deletes
+    the keys that marked the pushes."""
+    run_id = f"test{time.monotonic_ns()}"
+    server = _store(0, True)
+    counting = _CountingStore(_store(server.port, False))
+    consumer = ShmChannel(counting, run_id, "e0t3", 4,
+                          make_store=lambda: _store(server.port, False))
+    prod = mp.get_context("spawn").Process(target=_put_later,
+                                           args=(server.port, run_id, [1.0, 1.0, 0.0]))
+    prod.start()
+    try:
+        t0 = time.monotonic()
+        got = [consumer.get() for _ in range(3)]
+        waited = time.monotonic() - t0
+        assert [b.info for b in got] == [{"seed": i} for i in range(3)]
+        assert waited >= 1.5  # (the producer's start, then two 1 s pauses)
+        # ~2 s of waiting: at most one look per WAKED_POLL_S and one per wake (polling every
+        # 2 ms made ~1000)
+        assert counting.looks <= waited / 0.05 + 10, counting.looks
+        prod.join(30)
+        assert prod.exitcode == 0
+        deadline = time.monotonic() + 10
+        while server.check([f"{consumer.queue_key}/pushed/2"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(server.check([f"{consumer.queue_key}/pushed/{i}"]) for i in range(3))
+    finally:
+        prod.kill()
+        sweep_run(run_id)
+
+
 def test_producer_close_unlinks_unconsumed_segments():
     run_id = f"test{time.monotonic_ns()}"
     server = _store(0, True)

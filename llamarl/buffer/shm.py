@@ -67,10 +67,12 @@ def sweep_run(run_id: str) -> int:
 
 class ShmChannel(Channel):
     transport = "shared memory"
+    wakes_consumer = True
 
     def __init__(self, store, run_id: str, channel: str, capacity: int,
-                 check_alive: Callable[[], None] = lambda: None):
-        super().__init__(store, channel, capacity, check_alive)
+                 check_alive: Callable[[], None] = lambda: None,
+                 make_store: Callable[[], object] | None = None):
+        super().__init__(store, channel, capacity, check_alive, make_store)
         self.prefix = f"{segment_prefix(run_id)}{channel}_"
 
     def _send(self, batch: RolloutBatch, seq: int) -> tuple[Path, dict]:
