@@ -37,9 +37,9 @@ class PushWaker:
     once set, and notifies. The consumer waits on the notification for at most WAKED_POLL_S
     between looks at the queue and its peers' health, so a push the waker misses (a producer
     that died between its push and its key) costs at most that much latency, never a hang.
-    Polling the store every 2 ms instead cost the 2-core CPU machine about 5% of a core in
-    the consumer and more in the store's server (bench: docs/measured.md), taken from the
-    engines while they generate."""
+    Polling the store every 2 ms instead cost about 4.5% of a core in the consumer alone and
+    more in the store's server (docs/measured.md), taken from the engines while they
+    generate."""
 
     def __init__(self, make_store: Callable[[], object], queue_key: str):
         self.key = f"{queue_key}/pushed"
