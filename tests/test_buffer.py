@@ -161,7 +161,7 @@ def _put_later(port: int, run_id: str, delays: list[float]):
 
 
 def test_consumer_waits_for_a_push_without_polling_the_store():
-    """With a store connection for its PushWaker (as the trainer's channels have), a waiting
+    """With a store connection for its waker (as the trainer's channels have), a waiting
     consumer looks at its queue every WAKED_POLL_S and when the producer's push wakes it, not
     every POLL_S (2 ms: ~5% of a core in the consumer and more in the store's server, taken
     from the engines while they generate). Every batch arrives, in order, and the waker deletes

@@ -14,67 +14,22 @@ the buffer. Staleness is the trainer's business (it drops and counts stale sampl
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
 
 from llamarl.buffer.record import RolloutBatch
+from llamarl.launch.key_sequence import KeySequence
 
 POLL_S = 0.002
 ADOPT_GRACE_S = 30.0  # adopt: time for a consumer to finish a batch it popped
-# A consumer with a PushWaker looks at the queue (and its peers' health) this often while it
-# waits, and at once when the waker sees a push.
+# A consumer with a waker looks at its queue (and its peers' health) this often while it
+# waits, and at once when the waker sees a push (see Channel.get).
 WAKED_POLL_S = 0.05
-_WAKER_WAIT_S = 3600.0  # the waker's store waits: long, since c10d logs every one that times out
-
-
-class PushWaker:
-    """Wakes a waiting consumer the moment its producer pushes a batch, without polling.
-
-    The producer sets `<queue>/pushed/<seq>` after each push (Channel.put). This thread, on a
-    store connection of its own, blocks in the store on the next of these keys, deletes it
-    once set, and notifies. The consumer waits on the notification for at most WAKED_POLL_S
-    between looks at the queue and its peers' health, so a push the waker misses (a producer
-    that died between its push and its key) costs at most that much latency, never a hang.
-    Polling the store every 2 ms instead cost about 4.5% of a core in the consumer alone and
-    more in the store's server (docs/measured.md), taken from the engines while they
-    generate."""
-
-    def __init__(self, make_store: Callable[[], object], queue_key: str):
-        self.key = f"{queue_key}/pushed"
-        self.seen = 0  # pushes seen (keys 0 .. seen - 1)
-        self._cv = threading.Condition()
-        threading.Thread(target=self._watch, args=(make_store,), daemon=True,
-                         name="llamarl-push-waker").start()
-
-    def _watch(self, make_store) -> None:
-        try:
-            store = make_store()
-            while True:
-                key = f"{self.key}/{self.seen}"
-                try:
-                    store.wait([key], timedelta(seconds=_WAKER_WAIT_S))
-                except Exception as e:  # noqa: BLE001 - a timeout: wait again
-                    if "timeout" in str(e).lower():
-                        continue
-                    raise
-                store.delete_key(key)
-                with self._cv:
-                    self.seen += 1
-                    self._cv.notify_all()
-        except Exception:  # noqa: BLE001 - the store is gone: the job is ending or failed
-            return  # (the consumer's check_alive names the cause)
-
-    def wait_beyond(self, count: int, timeout_s: float) -> None:
-        """Return once more than `count` pushes were seen, or after `timeout_s`."""
-        with self._cv:
-            self._cv.wait_for(lambda: self.seen > count, timeout_s)
 
 
 class Channel:
-    # whether put marks each push for the consumer's PushWaker (a transport whose consumer
-    # waits in Channel.get with one)
+    # whether put marks each push for the consumer's waker (a transport whose consumer waits
+    # in Channel.get with one)
     wakes_consumer = False
 
     def __init__(self, store, channel: str, capacity: int,
@@ -94,7 +49,7 @@ class Channel:
         # own, started on the first get; None: poll every POLL_S)
         self._taken = 0
         self._make_store = make_store
-        self._waker: PushWaker | None = None
+        self._waker: KeySequence | None = None
 
     # -- producer -------------------------------------------------------------------------
     def put(self, batch: RolloutBatch, abort: Callable[[], bool] = lambda: False) -> bool:
@@ -113,7 +68,7 @@ class Channel:
         handle, desc = self._send(batch, self._seq)
         self._unacked.append(handle)
         self.store.queue_push(self.queue_key, json.dumps(desc))
-        if self.wakes_consumer:  # (its consumer's PushWaker deletes the key)
+        if self.wakes_consumer:  # (its consumer's waker deletes the key)
             self.store.set(f"{self.queue_key}/pushed/{self._seq}", "")
         self._seq += 1
         self.last_put_s = time.perf_counter() - t1
@@ -158,13 +113,21 @@ class Channel:
 
     # -- consumer -------------------------------------------------------------------------
     def get(self) -> RolloutBatch:
+        # With a waker (make_store given: the trainer's channels), a thread blocked in the
+        # store on the producer's marks of its pushes wakes this wait the moment batch
+        # `_taken` is pushed; the queue and the peers' health are still looked at every
+        # WAKED_POLL_S, so a mark never set (a producer that died between its push and its
+        # mark) costs latency, never a hang. Polling the store every POLL_S (2 ms) instead
+        # cost about 4.5% of a core in the consumer alone and more in the store's server
+        # (docs/measured.md), taken from the engines while they generate.
         t0 = time.perf_counter()
         if self._waker is None and self._make_store is not None:
-            self._waker = PushWaker(self._make_store, self.queue_key)
+            self._waker = KeySequence(self._make_store, f"{self.queue_key}/pushed",
+                                      delete=True, name="llamarl-push-waker")
         while self.store.queue_len(self.queue_key) == 0:
             self.check_alive()
             if self._waker is not None:
-                self._waker.wait_beyond(self._taken, WAKED_POLL_S)
+                self._waker.seen(self._taken, WAKED_POLL_S)
             else:
                 time.sleep(POLL_S)
         self.wait_s += time.perf_counter() - t0

@@ -3,61 +3,17 @@ load it, and run the held-out evaluation when the loaded version passes an eval 
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
-
-import torch.distributed as dist
 
 from llamarl.generator.engine import Engine
 from llamarl.generator.evaluate import Evaluator
+from llamarl.launch.key_sequence import KeySequence
 from llamarl.launch.runtime import Runtime
 from llamarl.parallel.weight_sync import announced_version
 from llamarl.timeline import Timeline
 
 _WAIT_S = 1.0  # longest blind wait for an announcement: the watchdog is checked in between
-_WATCH_S = 3600.0  # the watcher's store waits: long, since c10d logs every one that times out
-
-
-class Announcements:
-    """Trainer 0's weight-sync announcements (`wsync/version/<i>`, parallel/weight_sync.py),
-    followed in order by a thread on a store connection of its own.
-
-    The thread blocks in the store until the next one is set, and wakes the main thread the
-    moment it is. The main thread waits on a condition for at most _WAIT_S, so it still checks
-    the watchdog and its other work in between. Waiting in the store itself with a 1 s timeout
-    made torch's c10d log two 'waitForInput ... timed out' warnings per second while the
-    trainer trained (570 lines in a 7-minute run)."""
-
-    def __init__(self, make_store: Callable[[], dist.Store], first: int):
-        self.count = first  # announcements 0 .. count - 1 are set
-        self._cv = threading.Condition()
-        threading.Thread(target=self._watch, args=(make_store,), daemon=True,
-                         name="llamarl-announcements").start()
-
-    def _watch(self, make_store) -> None:
-        try:
-            store = make_store()
-            while True:
-                try:
-                    store.wait([f"wsync/version/{self.count}"], timedelta(seconds=_WATCH_S))
-                except dist.DistStoreError as e:
-                    if "timeout" in str(e).lower():
-                        continue
-                    raise
-                with self._cv:
-                    self.count += 1
-                    self._cv.notify_all()
-        except Exception:  # noqa: BLE001 - the store is gone: the job is ending or failed
-            return  # (the watchdog names the cause)
-
-    def announced(self, index: int, timeout_s: float = 0.0) -> bool:
-        """Whether announcement `index` is set, waiting up to `timeout_s` for it."""
-        with self._cv:
-            if timeout_s > 0:
-                self._cv.wait_for(lambda: self.count > index, timeout_s)
-            return self.count > index
 
 
 def fresh_version(b: int, k: int, every: int) -> int:
@@ -80,7 +36,9 @@ class WeightFollower:
         every = rt.cfg.run.eval_every
         self.next_eval = every if every else None
         self.evaluated = {0}
-        self._announcements: Announcements | None = None  # started at the first follow()
+        # trainer 0's announcements (`wsync/version/<i>`, parallel/weight_sync.py), followed
+        # by a thread blocked in the store: started at the first follow()
+        self._announcements: KeySequence | None = None
 
     def resumed_at(self, step: int) -> None:
         """The run continues after `step`, which was evaluated before the checkpoint."""
@@ -131,8 +89,9 @@ class WeightFollower:
         work changed (this engine took over a lost engine's slot, whose batch the trainer
         may need before it can publish `need`)."""
         if self._announcements is None:  # from the first sync this engine receives
-            self._announcements = Announcements(self.rt.new_store, self.received)
-        announced = self._announcements.announced
+            self._announcements = KeySequence(self.rt.new_store, "wsync/version",
+                                              self.received, name="llamarl-announcements")
+        announced = self._announcements.seen
         while True:
             while announced(self.received) and not (
                     exact and self.version >= need and not self.trainer_done()):
