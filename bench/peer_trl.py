@@ -46,6 +46,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from launch_logs import torchrun_logs_in_temp
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 DEFAULT = "recipes/tiny_grpo_cpu.yaml"
@@ -63,10 +65,7 @@ def run_llamarl(recipe: str, out: Path, overrides: list[str], env: dict) -> Path
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
            "-m", "llamarl.launch", recipe, f"run.output_dir={out}", *overrides]
     with open(out / "launch.log", "w") as log:
-        # torchrun's per-launch log directory, beside `out` in the caller's temporary
-        # directory (else one is left in /tmp per run)
-        subprocess.run(cmd, cwd=ROOT, check=True, stdout=log, stderr=log,
-                       env={**env, "PET_LOG_DIR": str(out.parent / f"{out.name}-torchelastic")})
+        subprocess.run(cmd, cwd=ROOT, check=True, stdout=log, stderr=log, env=env)
     (run,) = [p for p in out.iterdir() if p.is_dir()]
     return run
 
@@ -256,14 +255,15 @@ def tiny_workload(args, env) -> dict:
             print(f"seed {seed} trl: {time.time() - t0:.0f} s wall, "
                   f"{json.dumps({k: v for k, v in results['trl'][-1].items() if k != 'curve'})}",
                   flush=True)
-    table = {}
-    for name, runs in results.items():
-        if not runs:
-            continue
-        table[name] = {k: med([r[k] for r in runs]) for k in runs[0]
-                       if k not in ("curve", "train_time_at")}
-        table[name].update(mean_curve(runs))
-    return {"runs": results, "median": table}
+    return {"runs": results, "median": median_table(results)}
+
+
+def median_table(results: dict[str, list]) -> dict:
+    """Per run name: the medians over seeds of every figure (a key older results lack is
+    left out of its median) and the seeds' mean curve."""
+    return {name: {**{k: med([r.get(k) for r in runs]) for k in runs[0]
+                      if k not in ("curve", "train_time_at")}, **mean_curve(runs)}
+            for name, runs in results.items() if runs}
 
 
 def mean_curve(runs: list[dict]) -> dict:
@@ -291,10 +291,7 @@ def merge(paths: list[str]) -> dict:
     for p in paths:
         for name, runs in json.loads(Path(p).read_text())["tiny"]["runs"].items():
             results.setdefault(name, []).extend(runs)
-    table = {name: {**{k: med([r.get(k) for r in runs]) for k in runs[0]
-                       if k not in ("curve", "train_time_at")}, **mean_curve(runs)}
-             for name, runs in results.items() if runs}
-    return {"runs": results, "median": table, "merged": paths}
+    return {"runs": results, "median": median_table(results), "merged": paths}
 
 
 def build_gen_model(path: Path) -> str:
@@ -366,6 +363,7 @@ def main() -> None:
     ap.add_argument("--merge", nargs="+", metavar="RESULTS", help="no runs: the tiny workload "
                     "of these result files (other seeds) as one table, written to --out")
     args = ap.parse_args()
+    torchrun_logs_in_temp()  # (bench/launch_logs.py: in `env` below)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     result = {"machine": f"{os.cpu_count()} cores", "args": vars(args)}
     if args.merge:

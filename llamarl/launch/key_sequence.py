@@ -18,6 +18,8 @@ import threading
 from collections.abc import Callable
 from datetime import timedelta
 
+import torch.distributed as dist
+
 _WATCH_S = 3600.0  # the thread's store waits
 
 
@@ -40,8 +42,8 @@ class KeySequence:
                 key = f"{self.prefix}/{self.count}"
                 try:
                     store.wait([key], timedelta(seconds=_WATCH_S))
-                except Exception as e:  # noqa: BLE001 - a timeout: wait again
-                    if "timeout" in str(e).lower():
+                except dist.DistStoreError as e:
+                    if "timeout" in str(e).lower():  # (wait again)
                         continue
                     raise
                 if self.delete:
