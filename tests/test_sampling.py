@@ -8,6 +8,7 @@ use offset') or returned identical groups for a prompt placed twice in one batch
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ from conftest import DIST, ROOT, child_env, rank_line, torchrun
 from llamarl.config import load_config
 from llamarl.generator.engine import sampler_seed
 from llamarl.generator.kv_cache import GIB, kv_bytes_per_token, plan_kv_cache
-from llamarl.launch.cores import threads_for
+from llamarl.launch.cores import SPIN_ENV, release_cores_promptly, threads_for
 from llamarl.launch.layout import compute_layout
 
 RECIPE = "recipes/tiny_grpo_cpu.yaml"
@@ -141,3 +142,34 @@ def test_prefix_cache_off_where_no_block_can_fill_changes_no_sample(tiny_model_d
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert not out["auto_prefix_caching"] and out["cached_prefix_caching"], out
     assert out["same_samples"] and out["tokens"] > 16 * 8 * 3, out
+
+
+def _spin_after_parallel_op(env: dict) -> float:
+    """CPU milliseconds a 2-thread process burns while its main thread sleeps 200 ms right
+    after a parallel operation: the OpenMP worker's spin before it sleeps."""
+    code = ("import time, torch; torch.set_num_threads(2); x = torch.randn(4_000_000)\n"
+            "burnt = []\n"
+            "for _ in range(5):\n"
+            "    x.mul_(1.0000001); c = time.process_time(); time.sleep(0.2)\n"
+            "    burnt.append(time.process_time() - c)\n"
+            "print(sorted(burnt)[2] * 1000)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)
+    return float(out.stdout.strip())
+
+
+def test_idle_openmp_threads_let_go_of_the_core_within_a_few_ms(monkeypatch):
+    """The launcher's spin setting (launch/cores.py) makes torch's OpenMP worker sleep ~1 ms
+    after its work instead of spinning on the core the other role needs: measured, not only
+    set. A value the user set is kept."""
+    for key in SPIN_ENV:  # (setenv first: the test's changes are undone after it)
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    default = _spin_after_parallel_op(dict(os.environ))
+    release_cores_promptly()
+    assert {k: os.environ[k] for k in SPIN_ENV} == SPIN_ENV
+    released = _spin_after_parallel_op(dict(os.environ))
+    assert released < 4.0 and released < default / 2, (released, default)
+    monkeypatch.setenv("GOMP_SPINCOUNT", "INFINITE")
+    release_cores_promptly()
+    assert os.environ["GOMP_SPINCOUNT"] == "INFINITE"

@@ -14,6 +14,7 @@ import time
 import traceback
 
 from llamarl.config import load_config
+from llamarl.launch.cores import release_cores_promptly
 from llamarl.launch.dist_env import from_environ
 from llamarl.launch.layout import compute_layout
 from llamarl.launch.watchdog import say
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     recipe, overrides = argv[0], argv[1:]
     env, incarnation, tp_ranks = None, "", []
+    release_cores_promptly()  # before torch is imported: the OpenMP runtime reads it once
     try:
         if joining:
             from llamarl.launch.join import plan_join, spawn_tp_ranks
