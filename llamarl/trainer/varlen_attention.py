@@ -23,7 +23,9 @@ Registered with Hugging Face as `llamarl_sdpa`; `load_policy`/`load_critic` use 
 attention mask, a single sequence) goes to Hugging Face's own sdpa unchanged, with the same mask,
 so padded results are bit for bit those of `sdpa`; except that on the CPU a masked call on
 grouped key/value heads passes the groups to torch's kernel (`enable_gqa`) instead of repeating
-them: the same outputs, the key/value gradients summed in another order.
+them: the same outputs, the key/value gradients summed in another order; and that on the CPU
+a bfloat16/float16 model's attention computes in float32 (torch's CPU kernels are several
+times slower in half precision: bench/cpu_half_attention.py), its output cast back.
 """
 
 from __future__ import annotations
@@ -36,6 +38,25 @@ NAME = "llamarl_sdpa"
 
 def _sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                   **kwargs):
+    if query.device.type == "cpu" and query.dtype in HALF and CPU_HALF_IN_FLOAT32:
+        # torch's CPU attention kernels are slow in bfloat16/float16 (the flash kernel's
+        # backward on the tiny recipes' masked rows: 4x float32's), and float32 is the more
+        # exact: the attention computes in float32, the rest of the model stays in half
+        if attention_mask is not None and attention_mask.is_floating_point():
+            attention_mask = attention_mask.float()
+        out, weights = _attention(module, query.float(), key.float(), value.float(),
+                                  attention_mask, dropout, scaling, **kwargs)
+        return out.to(query.dtype), weights
+    return _attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+
+# Half-precision attention on the CPU computes in float32 (False: in the model's dtype, for
+# bench/cpu_half_attention.py's side-by-side comparison).
+CPU_HALF_IN_FLOAT32 = True
+HALF = (torch.bfloat16, torch.float16)
+
+
+def _attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     pos = kwargs.get("position_ids")

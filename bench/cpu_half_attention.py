@@ -1,0 +1,116 @@
+"""The update of a bfloat16 model on the CPU with its attention in bfloat16 against the same
+with the attention in float32 (trainer/varlen_attention.py: CPU_HALF_IN_FLOAT32), and the
+float32 model beside them: the same GRPO update of the same batch, the three taking turns in
+one process, so the machine's drift hits all alike.
+
+    float32         model.dtype float32
+    bf16_attn_bf16  model.dtype bfloat16 (FSDP2 mixed precision over float32 masters), the
+                    attention in bfloat16 (torch's CPU flash kernel; before 2026-11-27)
+    bf16            model.dtype bfloat16, the attention in float32 (q, k, v cast up, the
+                    output cast back: what llamarl does now)
+
+Workloads as bench/micro_batch_order.py's: `tiny` (the 2-engine recipe's update, 64 prompts
+x 8 samples, micro-batches of 256 samples, shared prompts) and `gen24m` (the 24M model, long
+answers). Reports the median and minimum seconds per update over --repeats and each
+median's ratio to float32's; written to bench/results/cpu_half_attention[_gen24m].json.
+
+    python bench/cpu_half_attention.py                     # part of make bench
+    python bench/cpu_half_attention.py --workload gen24m
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from micro_batch_order import recipe_batch
+from torch.distributed.device_mesh import init_device_mesh
+
+SHAPES = {"tiny": (256, dict(prompts=64, samples=8)),
+          "gen24m": (32, dict(prompts=8, samples=8, prompt_len=(10, 15),
+                              completion_len=(64, 128)))}
+VARIANTS = {"float32": (torch.float32, True), "bf16_attn_bf16": (torch.bfloat16, False),
+            "bf16": (torch.bfloat16, True)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--workload", choices=tuple(SHAPES), default="tiny")
+    p.add_argument("--repeats", type=int, default=None, help="updates per variant "
+                   "(default 15 tiny, 4 gen24m)")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    repeats = args.repeats or {"tiny": 15, "gen24m": 4}[args.workload]
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    from transformers import AutoTokenizer
+
+    from llamarl.config import load_config
+    from llamarl.parallel.fsdp import apply_fsdp
+    from llamarl.trainer import rl_step, varlen_attention
+    from llamarl.trainer.policy import load_policy
+    from llamarl.trainer.step import PolicyTrainer
+
+    rows, shape = SHAPES[args.workload]
+    if args.workload == "tiny":
+        from llamarl.tiny.model import build_model, save_hf_dir
+
+        model, tok = build_model(0)
+        path = Path(tempfile.mkdtemp(prefix="llamarl-bench-tiny-")) / "model"
+        save_hf_dir(path, model.state_dict(), model.config, tok)
+    else:
+        from peer_trl import build_gen_model
+
+        path = Path(build_gen_model(Path(tempfile.gettempdir()) / "llamarl-bench-gen24m"))
+    tok = AutoTokenizer.from_pretrained(path)
+    cfg = load_config(None, [f"trainer.micro_batch_size={rows}", "trainer.ranks=1"])
+    mesh = init_device_mesh("cpu", (1,))
+    trainers = {}
+    for name, (dtype, _) in VARIANTS.items():
+        model = load_policy(str(path), "float32")  # the masters; FSDP2 casts for compute
+        apply_fsdp(model, mesh, dtype)
+        trainers[name] = PolicyTrainer(model, cfg.trainer, 10_000, 1, torch.device("cpu"))
+    batch = recipe_batch(vocab=trainers["float32"].model.config.vocab_size, seed=0, **shape)
+    times = {name: [] for name in VARIANTS}
+    for i in range(repeats + 1):
+        for name, trainer in trainers.items():
+            varlen_attention.CPU_HALF_IN_FLOAT32 = VARIANTS[name][1]
+            t0 = time.perf_counter()
+            rl_step.policy_step(trainer, batch, cfg, tok.pad_token_id)
+            if i:  # the first of each is warm-up
+                times[name].append(time.perf_counter() - t0)
+    varlen_attention.CPU_HALF_IN_FLOAT32 = True
+    out = {"workload": args.workload, "threads": args.threads, "repeats": repeats,
+           "micro_batch_size": rows, "shape": {k: list(v) if isinstance(v, tuple) else v
+                                              for k, v in shape.items()}}
+    for name in VARIANTS:
+        out[name] = {"update_s_median": statistics.median(times[name]),
+                     "update_s_min": min(times[name]), "update_s_all": times[name]}
+    for name in VARIANTS:
+        out[f"{name}_over_float32"] = (out[name]["update_s_median"]
+                                       / out["float32"]["update_s_median"])
+    out["bf16_over_bf16_attn_bf16"] = (out["bf16"]["update_s_median"]
+                                       / out["bf16_attn_bf16"]["update_s_median"])
+    print(json.dumps({k: v for k, v in out.items() if not isinstance(v, dict)
+                      or "update_s_all" not in v} | {
+        n: round(out[n]["update_s_median"], 4) for n in VARIANTS}, indent=1))
+    suffix = "" if args.workload == "tiny" else f"_{args.workload}"
+    Path(f"bench/results/cpu_half_attention{suffix}.json").write_text(
+        json.dumps(out, indent=1) + "\n")
+    if args.workload == "tiny":
+        shutil.rmtree(path.parent, ignore_errors=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
