@@ -54,6 +54,7 @@ bench: install
 	$(PY) -m pip install -q -e ".[$(VLLM_EXTRA),dev,bench]"
 	$(DROP_CUDA_ONLY)
 	$(PY) bench/peer_trl.py
+	$(PY) bench/peer_trl.py --workload trl_dtype --out bench/results/peer_trl_dtype.json
 	$(PY) bench/generator_throughput.py
 	$(PY) bench/engine_overheads.py
 	$(PY) bench/async_pipeline.py
@@ -65,6 +66,8 @@ bench: install
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 1 bench/trainer_throughput.py --model tiny
 	$(PY) bench/micro_batch_order.py
 	$(PY) bench/micro_batch_order.py --workload gen24m
+	$(PY) bench/cpu_half_attention.py
+	$(PY) bench/cpu_half_attention.py --workload gen24m
 	$(PY) bench/trainer_throughput.py --compare --model 32k --mixed --seqs 64 --micro-batch 8 --prompt-len 64 --completion-len 512 --repeats 2
 	$(PY) bench/trainer_throughput.py --compare --model 24m --mixed --seqs 512 --micro-batch 64 --prompt-len 16 --completion-len 128 --repeats 2 --nproc 2
 	$(PY) bench/logprob_memory.py

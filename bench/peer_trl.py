@@ -5,6 +5,7 @@ the same model, prompts, reward and hyper-parameters, one run after the other on
     python bench/peer_trl.py --workload tiny --seeds 0 1 2 3
     python bench/peer_trl.py --workload gen        # the generation-heavy one only
     python bench/peer_trl.py --merge A.json B.json --out AB.json   # seeds of two runs as one
+    python bench/peer_trl.py --workload trl_dtype  # TRL's tiny step, float32 against bf16
 
 Workload `tiny` (learning speed): the default recipe (recipes/tiny_grpo_cpu.yaml: the warm-started
 tiny Qwen2, string reversal, 64 prompts x 8 samples, lr 1e-3 with 2 warm-up steps, AdamW, grad clip
@@ -15,7 +16,10 @@ reward (128 prompts never trained on x 4 samples at T = 1) every --eval-every st
     recipes/tiny_grpo_2engines_cpu.yaml: the same run with 1 trainer rank + 2 engines; "" for
     none),
   * TRL GRPOTrainer with the same settings (loss_type dapo = token mean over the batch,
-    scale_rewards group, beta 0, epsilon 0.2, one optimizer step per 64 x 8 batch).
+    scale_rewards group, beta 0, epsilon 0.2, one optimizer step per 64 x 8 batch), in
+    float32: its faster precision on this workload (`--workload trl_dtype` measures its step
+    in float32 and in bf16 autocast, taking turns), where the recommended recipe computes in
+    bfloat16 over float32 masters.
 Per run: median step time, training time (step times summed, evaluations excluded; with them
 in brackets) and steps to held-out reward 0.6 and 0.7. Medians over seeds, and the ratios;
 and the same read off the seeds' mean held-out curve (steadier: a seed's own crossing moves by
@@ -258,6 +262,32 @@ def tiny_workload(args, env) -> dict:
     return {"runs": results, "median": median_table(results)}
 
 
+def trl_dtype_workload(args) -> dict:
+    """TRL's step on the tiny workload in float32 and in bf16 autocast, --trl-dtype-repeats
+    runs of --trl-dtype-steps steps each (no evaluations), the two taking turns: the median
+    step of each and their ratio, to pick TRL's faster precision for the comparison."""
+    from llamarl.config import load_config
+    from llamarl.tiny.warmstart import warm_start_dir
+
+    cfg = load_config(ROOT / DEFAULT, [])
+    g = cfg.generator
+    steps: dict[str, list[float]] = {"float32": [], "bfloat16": []}
+    for _ in range(args.trl_dtype_repeats):
+        for name in steps:
+            with tempfile.TemporaryDirectory() as tmp:
+                r = run_trl(str(warm_start_dir("reverse")), 0, args.trl_dtype_steps, 0,
+                            g.prompts_per_step, g.samples_per_prompt, g.max_new_tokens,
+                            cfg.trainer.lr, cfg.trainer.warmup_steps, Path(tmp) / "trl",
+                            bf16=name == "bfloat16")
+            steps[name].append(r["median_step_s"])
+            print(f"trl {name}: median step {r['median_step_s']:.3f} s", flush=True)
+    out = {name: {"median_step_s": statistics.median(v), "runs": v} for name, v in steps.items()}
+    out["bfloat16_over_float32"] = (out["bfloat16"]["median_step_s"]
+                                    / out["float32"]["median_step_s"])
+    print(f"TRL's tiny step, bf16 autocast / float32: {out['bfloat16_over_float32']:.2f}x")
+    return out
+
+
 def median_table(results: dict[str, list]) -> dict:
     """Per run name: the medians over seeds of every figure (a key older results lack is
     left out of its median) and the seeds' mean curve."""
@@ -348,7 +378,10 @@ def gen_workload(args, env) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--workload", choices=("tiny", "gen", "both"), default="both")
+    ap.add_argument("--workload", choices=("tiny", "gen", "both", "trl_dtype"),
+                    default="both")
+    ap.add_argument("--trl-dtype-steps", type=int, default=25)
+    ap.add_argument("--trl-dtype-repeats", type=int, default=3)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--eval-every", type=int, default=10)
@@ -366,6 +399,8 @@ def main() -> None:
     torchrun_logs_in_temp()  # (bench/launch_logs.py: in `env` below)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     result = {"machine": f"{os.cpu_count()} cores", "args": vars(args)}
+    if args.workload == "trl_dtype":
+        result["trl_dtype"] = trl_dtype_workload(args)
     if args.merge:
         result["tiny"] = merge(args.merge)
         args.workload = "tiny"
