@@ -20,39 +20,23 @@ median's ratio to float32's; written to bench/results/cpu_half_attention[_gen24m
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import shutil
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from micro_batch_order import recipe_batch
+from micro_batch_order import WORKLOADS, finish, recipe_batch, setup
 from torch.distributed.device_mesh import init_device_mesh
 
-SHAPES = {"tiny": (256, dict(prompts=64, samples=8)),
-          "gen24m": (32, dict(prompts=8, samples=8, prompt_len=(10, 15),
-                              completion_len=(64, 128)))}
+# (micro-batch rows, batch shape): micro_batch_order's batches, the tiny one in the 2-engine
+# recipe's micro-batches of 256
+SHAPES = {"tiny": (256, WORKLOADS["tiny"][2]), "gen24m": (32, WORKLOADS["gen24m"][2])}
 VARIANTS = {"float32": (torch.float32, True), "bf16_attn_bf16": (torch.bfloat16, False),
             "bf16": (torch.bfloat16, True)}
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--workload", choices=tuple(SHAPES), default="tiny")
-    p.add_argument("--repeats", type=int, default=None, help="updates per variant "
-                   "(default 15 tiny, 4 gen24m)")
-    p.add_argument("--threads", type=int, default=2)
-    args = p.parse_args()
-    repeats = args.repeats or {"tiny": 15, "gen24m": 4}[args.workload]
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    args, repeats, path = setup("variant", 4)
     from transformers import AutoTokenizer
 
     from llamarl.config import load_config
@@ -62,16 +46,6 @@ def main() -> None:
     from llamarl.trainer.step import PolicyTrainer
 
     rows, shape = SHAPES[args.workload]
-    if args.workload == "tiny":
-        from llamarl.tiny.model import build_model, save_hf_dir
-
-        model, tok = build_model(0)
-        path = Path(tempfile.mkdtemp(prefix="llamarl-bench-tiny-")) / "model"
-        save_hf_dir(path, model.state_dict(), model.config, tok)
-    else:
-        from peer_trl import build_gen_model
-
-        path = Path(build_gen_model(Path(tempfile.gettempdir()) / "llamarl-bench-gen24m"))
     tok = AutoTokenizer.from_pretrained(path)
     cfg = load_config(None, [f"trainer.micro_batch_size={rows}", "trainer.ranks=1"])
     mesh = init_device_mesh("cpu", (1,))
@@ -104,12 +78,7 @@ def main() -> None:
     print(json.dumps({k: v for k, v in out.items() if not isinstance(v, dict)
                       or "update_s_all" not in v} | {
         n: round(out[n]["update_s_median"], 4) for n in VARIANTS}, indent=1))
-    suffix = "" if args.workload == "tiny" else f"_{args.workload}"
-    Path(f"bench/results/cpu_half_attention{suffix}.json").write_text(
-        json.dumps(out, indent=1) + "\n")
-    if args.workload == "tiny":
-        shutil.rmtree(path.parent, ignore_errors=True)
-    dist.destroy_process_group()
+    finish("cpu_half_attention", args.workload, out, path)
 
 
 if __name__ == "__main__":

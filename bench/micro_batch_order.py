@@ -30,6 +30,7 @@ import json
 import os
 import shutil
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -80,42 +81,62 @@ WORKLOADS = {
 }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--workload", choices=tuple(WORKLOADS), default="tiny")
-    p.add_argument("--repeats", type=int, default=None, help="updates per layout "
-                   "(default 15 tiny, 5 gen24m)")
-    p.add_argument("--threads", type=int, default=2)
-    args = p.parse_args()
-    repeats = args.repeats or {"tiny": 15, "gen24m": 5}[args.workload]
+def one_rank_and_model(workload: str, threads: int) -> Path:
+    """This process as one gloo rank on `threads` threads, and the workload's model saved as
+    the trainer loads it (llamarl_sdpa): `tiny` in a new temporary directory (remove its
+    parent when done), `gen24m` bench/peer_trl.py's 24M model (kept between runs)."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(threads)
     dist.init_process_group("gloo", rank=0, world_size=1)
-    from llamarl.config import load_config
-    from llamarl.parallel.fsdp import apply_fsdp
-    from llamarl.tiny.model import build_model
-    from llamarl.trainer import rl_step, varlen_attention
-    from llamarl.trainer.step import PolicyTrainer
-
-    what, rows, shape, layouts = WORKLOADS[args.workload]
-    base = [f"trainer.micro_batch_size={rows}", "trainer.ranks=1"]
-    import tempfile
-
-    from transformers import AutoTokenizer
-
-    from llamarl.trainer.policy import load_policy
-
-    if args.workload == "tiny":  # saved and loaded as the trainer loads it (llamarl_sdpa)
-        from llamarl.tiny.model import save_hf_dir
+    if workload == "tiny":
+        from llamarl.tiny.model import build_model, save_hf_dir
 
         model, tok = build_model(0)
         path = Path(tempfile.mkdtemp(prefix="llamarl-bench-tiny-")) / "model"
         save_hf_dir(path, model.state_dict(), model.config, tok)
-    else:
-        from peer_trl import build_gen_model
+        return path
+    from peer_trl import build_gen_model
 
-        path = build_gen_model(Path(tempfile.gettempdir()) / "llamarl-bench-gen24m")
+    return Path(build_gen_model(Path(tempfile.gettempdir()) / "llamarl-bench-gen24m"))
+
+
+def finish(bench: str, workload: str, out: dict, path: Path) -> None:
+    """Write `out` to bench/results/<bench>[_<workload>].json (no suffix for tiny), remove the
+    tiny model's temporary directory, leave the process group."""
+    suffix = "" if workload == "tiny" else f"_{workload}"
+    Path(f"bench/results/{bench}{suffix}.json").write_text(json.dumps(out, indent=1) + "\n")
+    if workload == "tiny":
+        shutil.rmtree(path.parent, ignore_errors=True)
+    dist.destroy_process_group()
+
+
+def setup(what: str, gen24m_repeats: int) -> tuple[argparse.Namespace, int, Path]:
+    """A side-by-side update bench's command line (--workload tiny | gen24m, --repeats: updates
+    per `what`, default 15 tiny, `gen24m_repeats` gen24m; --threads), its repeats, and this
+    process as one rank with the workload's model (one_rank_and_model)."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--workload", choices=tuple(WORKLOADS), default="tiny")
+    p.add_argument("--repeats", type=int, default=None, help=f"updates per {what} "
+                   f"(default 15 tiny, {gen24m_repeats} gen24m)")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    repeats = args.repeats or {"tiny": 15, "gen24m": gen24m_repeats}[args.workload]
+    return args, repeats, one_rank_and_model(args.workload, args.threads)
+
+
+def main() -> None:
+    args, repeats, path = setup("layout", 5)
+    from transformers import AutoTokenizer
+
+    from llamarl.config import load_config
+    from llamarl.parallel.fsdp import apply_fsdp
+    from llamarl.trainer import rl_step, varlen_attention
+    from llamarl.trainer.policy import load_policy
+    from llamarl.trainer.step import PolicyTrainer
+
+    what, rows, shape, layouts = WORKLOADS[args.workload]
+    base = [f"trainer.micro_batch_size={rows}", "trainer.ranks=1"]
     model, tok = load_policy(str(path), "float32"), AutoTokenizer.from_pretrained(path)
     apply_fsdp(model, init_device_mesh("cpu", (1,)), torch.float32)
     cfg = load_config(None, base)
@@ -154,12 +175,7 @@ def main() -> None:
             out[f"{name}_over_by_length"] = (out[name]["update_s_median"]
                                              / out["by_length"]["update_s_median"])
     print(json.dumps(out, indent=1))
-    suffix = "" if args.workload == "tiny" else f"_{args.workload}"
-    Path(f"bench/results/micro_batch_order{suffix}.json").write_text(
-        json.dumps(out, indent=1) + "\n")
-    if args.workload == "tiny":
-        shutil.rmtree(path.parent, ignore_errors=True)
-    dist.destroy_process_group()
+    finish("micro_batch_order", args.workload, out, path)
 
 
 if __name__ == "__main__":
