@@ -264,8 +264,9 @@ def tiny_workload(args, env) -> dict:
 
 def trl_dtype_workload(args) -> dict:
     """TRL's step on the tiny workload in float32 and in bf16 autocast, --trl-dtype-repeats
-    runs of --trl-dtype-steps steps each (no evaluations), the two taking turns: the median
-    step of each and their ratio, to pick TRL's faster precision for the comparison."""
+    runs of --trl-dtype-steps steps each (no evaluations between steps; run_trl's one before
+    the first is off the step clock), the two taking turns: the median step of each and their
+    ratio, to pick TRL's faster precision for the comparison."""
     from llamarl.config import load_config
     from llamarl.tiny.warmstart import warm_start_dir
 
@@ -392,10 +393,17 @@ def main() -> None:
     ap.add_argument("--recommended", default="recipes/tiny_grpo_2engines_cpu.yaml",
                     help="another llamarl recipe to run beside the default: the one "
                          "recommended on a small CPU machine (\"\" for none)")
-    ap.add_argument("--out", default=str(ROOT / "bench/results/peer_trl.json"))
+    ap.add_argument("--out", default=None, help="the results' JSON (default "
+                    "bench/results/peer_trl.json; peer_trl_dtype.json for trl_dtype)")
     ap.add_argument("--merge", nargs="+", metavar="RESULTS", help="no runs: the tiny workload "
                     "of these result files (other seeds) as one table, written to --out")
     args = ap.parse_args()
+    if args.out is None:
+        name = "peer_trl_dtype" if args.workload == "trl_dtype" else "peer_trl"
+        args.out = str(ROOT / f"bench/results/{name}.json")
+    if args.merge:  # the seeds of the merged runs, not this command line's default
+        args.seeds = [seed for p in args.merge
+                      for seed in json.loads(Path(p).read_text())["args"]["seeds"]]
     torchrun_logs_in_temp()  # (bench/launch_logs.py: in `env` below)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     result = {"machine": f"{os.cpu_count()} cores", "args": vars(args)}

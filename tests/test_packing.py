@@ -104,37 +104,45 @@ def test_the_varlen_kernel_is_told_the_rows_longest_sequence(monkeypatch):
 
 
 def test_half_precision_attention_computes_in_float32_on_the_cpu(monkeypatch, tiny_model_dir):
-    """A bfloat16 model on the CPU: its masked attention (padded rows, grouped key/value heads)
-    gets float32 queries, keys and values and hands bfloat16 back, because torch's CPU kernels
-    are several times slower in half precision (bench/cpu_half_attention.py). The logprobs and
+    """A bfloat16 model on the CPU: every attention path (padded rows on grouped key/value
+    heads, a packed row's per-sequence loop, Hugging Face's sdpa for one unpadded row) gets
+    float32 queries, keys and values and hands bfloat16 back, because torch's CPU kernels are
+    several times slower in half precision (bench/cpu_half_attention.py). The logprobs and
     gradients stay those of the bfloat16 model to bfloat16 rounding."""
-    from types import SimpleNamespace
+    import torch.nn.functional as F
 
     from llamarl.trainer import varlen_attention
 
     _, tok = build_model(seed=0)
     full = pad_rollouts(make_batch(3, 4, seed=2), tok.pad_token_id)
+    one = pad_rollouts(make_batch(1, 1, seed=3), tok.pad_token_id)
     seen = []
+    sdpa = F.scaled_dot_product_attention
 
-    def spy(q, k, v, **kw):
+    def spy(q, k, v, **kw):  # every caller looks it up on torch.nn.functional at call time
         seen.append(q.dtype)
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, **kw)
+        return sdpa(q, k, v, **kw)
 
-    monkeypatch.setattr(varlen_attention, "F", SimpleNamespace(scaled_dot_product_attention=spy))
-    scored = full.attention_mask[:, 1:] > 0
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     ref = load_policy(str(tiny_model_dir), "float32")
-    want, _ = token_logprobs(ref, full, 1.0)
     grads = {}
     for float32 in (True, False):
         monkeypatch.setattr(varlen_attention, "CPU_HALF_IN_FLOAT32", float32)
-        seen.clear()
         model = load_policy(str(tiny_model_dir), "bfloat16")
+        packed = full.pack()
+        for batch, calls in ((full, 2), (packed, 2 * (len(packed.packed.bounds) - 1)),
+                             (one, 2)):  # 2 layers; the packed row's loop: one per sequence
+            want, _ = token_logprobs(ref, batch, 1.0)
+            seen.clear()
+            lp, _ = token_logprobs(model, batch, 1.0)
+            assert seen == [torch.float32 if float32 else torch.bfloat16] * calls
+            scored = batch.mask > 0
+            assert (lp[scored] - want[scored]).abs().max() < 0.1  # bfloat16's rounding
+        model.zero_grad()
         lp, _ = token_logprobs(model, full, 1.0)
-        lp[scored].float().sum().backward()
+        lp[full.mask > 0].float().sum().backward()
         grads[float32] = model.model.layers[0].self_attn.k_proj.weight.grad.float()
-        assert seen == [torch.float32 if float32 else torch.bfloat16] * 2  # 2 layers
-        assert lp.dtype == torch.float32 and torch.isfinite(grads[float32]).all()
-        assert (lp[scored] - want[scored]).abs().max() < 0.1  # bfloat16's rounding
+        assert torch.isfinite(grads[float32]).all()
     assert torch.allclose(grads[True], grads[False], rtol=0.1, atol=0.05 * grads[True].abs().max())
 
 

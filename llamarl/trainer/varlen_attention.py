@@ -38,7 +38,8 @@ NAME = "llamarl_sdpa"
 
 def _sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                   **kwargs):
-    if query.device.type == "cpu" and query.dtype in HALF and CPU_HALF_IN_FLOAT32:
+    if (query.device.type == "cpu" and query.dtype in HALF and CPU_HALF_IN_FLOAT32
+            and kwargs.get("position_bias") is None):  # (a half bias would meet float32)
         # torch's CPU attention kernels are slow in bfloat16/float16 (the flash kernel's
         # backward on the tiny recipes' masked rows: 4x float32's), and float32 is the more
         # exact: the attention computes in float32, the rest of the model stays in half
