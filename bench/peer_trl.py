@@ -233,10 +233,20 @@ def llamarl_recipes(args) -> list[tuple[str, str]]:
                                      if args.recommended else [])
 
 
-def tiny_workload(args, env) -> dict:
+def run_trl_tiny(seed: int, steps: int, eval_every: int, out: Path, bf16: bool = False) -> dict:
+    """run_trl on the tiny workload: the warm-started model and the default recipe's batch,
+    response length, lr and warm-up."""
     from llamarl.config import load_config
     from llamarl.tiny.warmstart import warm_start_dir
 
+    cfg = load_config(ROOT / DEFAULT, [])
+    g = cfg.generator
+    return run_trl(str(warm_start_dir("reverse")), seed, steps, eval_every, g.prompts_per_step,
+                   g.samples_per_prompt, g.max_new_tokens, cfg.trainer.lr,
+                   cfg.trainer.warmup_steps, out, bf16=bf16)
+
+
+def tiny_workload(args, env) -> dict:
     results = {"llamarl": [], "recommended": [], "trl": []}
     common = [f"run.steps={args.steps}", f"run.eval_every={args.eval_every}"]
     for seed in args.seeds:
@@ -249,13 +259,8 @@ def tiny_workload(args, env) -> dict:
                 print(f"seed {seed} {name}: {time.time() - t0:.0f} s wall, "
                       f"{json.dumps({k: v for k, v in results[name][-1].items() if k != 'curve'})}",
                       flush=True)
-            cfg = load_config(ROOT / DEFAULT, [])
-            g = cfg.generator
             t0 = time.time()
-            results["trl"].append(run_trl(
-                str(warm_start_dir("reverse")), seed, args.steps, args.eval_every,
-                g.prompts_per_step, g.samples_per_prompt, g.max_new_tokens, cfg.trainer.lr,
-                cfg.trainer.warmup_steps, tmp / "trl"))
+            results["trl"].append(run_trl_tiny(seed, args.steps, args.eval_every, tmp / "trl"))
             print(f"seed {seed} trl: {time.time() - t0:.0f} s wall, "
                   f"{json.dumps({k: v for k, v in results['trl'][-1].items() if k != 'curve'})}",
                   flush=True)
@@ -267,19 +272,12 @@ def trl_dtype_workload(args) -> dict:
     runs of --trl-dtype-steps steps each (no evaluations between steps; run_trl's one before
     the first is off the step clock), the two taking turns: the median step of each and their
     ratio, to pick TRL's faster precision for the comparison."""
-    from llamarl.config import load_config
-    from llamarl.tiny.warmstart import warm_start_dir
-
-    cfg = load_config(ROOT / DEFAULT, [])
-    g = cfg.generator
     steps: dict[str, list[float]] = {"float32": [], "bfloat16": []}
     for _ in range(args.trl_dtype_repeats):
         for name in steps:
             with tempfile.TemporaryDirectory() as tmp:
-                r = run_trl(str(warm_start_dir("reverse")), 0, args.trl_dtype_steps, 0,
-                            g.prompts_per_step, g.samples_per_prompt, g.max_new_tokens,
-                            cfg.trainer.lr, cfg.trainer.warmup_steps, Path(tmp) / "trl",
-                            bf16=name == "bfloat16")
+                r = run_trl_tiny(0, args.trl_dtype_steps, 0, Path(tmp) / "trl",
+                                 bf16=name == "bfloat16")
             steps[name].append(r["median_step_s"])
             print(f"trl {name}: median step {r['median_step_s']:.3f} s", flush=True)
     out = {name: {"median_step_s": statistics.median(v), "runs": v} for name, v in steps.items()}
