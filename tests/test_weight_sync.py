@@ -8,16 +8,28 @@ import pytest
 from conftest import DIST, torchrun
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_weight_broadcast_parity_with_fsdp2_trainers(tmp_path, tiny_model_dir, tp):
+@pytest.mark.parametrize("tp,engines,broadcast", [(1, 1, False), (2, 1, False),
+                                                   (1, 2, True), (2, 1, True)],
+                         ids=["tp1", "tp2", "nccl-shaped-2x2", "nccl-shaped-tp2"])
+def test_weight_broadcast_parity_with_fsdp2_trainers(tmp_path, tiny_model_dir, tp, engines,
+                                                     broadcast):
     """tp = 2: one engine of two ranks (generator/tp.py), each loading half of every layer;
-    from the second sync on each receives only the half it loads (resharded)."""
+    from the second sync on each receives only the half it loads (resharded).
+
+    nccl-shaped: the paths NCCL takes, on gloo (LLAMARL_GLOO_BROADCAST=1): every bucket a
+    broadcast, each engine receiving sender by sender; 2 trainer ranks to 2 engines, and the
+    per-tp-rank broadcast groups of a resharded tp 2 engine (built only for NCCL otherwise)."""
     out = tmp_path / "parity.json"
     segments = set(Path("/dev/shm").glob("llamarl_*"))
-    proc = torchrun(2 + tp, [str(DIST / "weight_sync_parity.py")], timeout=600, OUT=out,
-                    MODEL_DIR=tiny_model_dir, RUNS=tmp_path / "runs", TP=tp)
+    env = {"LLAMARL_GLOO_BROADCAST": "1"} if broadcast else {}
+    proc = torchrun(2 + engines * tp, [str(DIST / "weight_sync_parity.py")], timeout=600,
+                    OUT=out, MODEL_DIR=tiny_model_dir, RUNS=tmp_path / "runs", TP=tp,
+                    ENGINES=engines, **env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert set(Path("/dev/shm").glob("llamarl_*")) <= segments, "vLLM's tp segments are left"
+    for e in range(1, engines):  # every engine holds the trainers' weights
+        other = json.loads(Path(f"{out}.e{e}").read_text())
+        assert other["greedy_match"] and other["max_abs_dlogprob"] <= 1e-3, other
     r = json.loads(out.read_text())
     assert r["buckets"] >= 2, "both trainer ranks must send their shards"
     assert r["greedy_match"], r

@@ -248,3 +248,46 @@ def test_a_dead_receiver_is_left_out_once_it_is_declared_lost(declared):
         with pytest.raises(RuntimeError, match="weight broadcast failed"):
             sender.wait()
     assert time.monotonic() - t0 < 10
+
+
+class RecordingTransport(torch_dist.ReceiverTransport):
+    """Records the order of posts and waits of a receiver's messages (each completes at once)."""
+
+    def __init__(self, senders: int, ordered: bool):
+        from llamarl.parallel.transports.base import TransportSpec
+
+        super().__init__(TransportSpec("torch", 1, senders, 1))
+        self.ordered, self.posts_early, self.events = ordered, not ordered, []
+
+    def receive(self, tensor, sender, tag, own=False):
+        self.events.append(("post", sender, tag))
+        events = self.events
+
+        class Recorded:
+            def wait(self):
+                events.append(("wait", sender, tag))
+                return True
+        return Recorded()
+
+
+@pytest.mark.parametrize("ordered", [True, False], ids=["broadcasts", "point-to-point"])
+def test_broadcast_receives_are_posted_sender_by_sender(ordered):
+    """On NCCL (ordered) an engine posts sender s + 1's receives only once every receive of
+    sender s has been waited for: one weight communicator at a time on its GPU, in the same
+    order on every engine (docs/architecture.md, NCCL order). Point to point: all at once."""
+    from llamarl.parallel.weight_plan import TensorMeta
+
+    metas = [[TensorMeta(f"w{i}", "torch.float32", (4, 256), 2, 2 * s) for i in range(3)]
+             for s in range(2)]
+    transport = RecordingTransport(2, ordered)
+    receiver = WeightReceiver(metas, 0, transport, torch.device("cpu"), solo_mb=0.001)
+    assert all(len(plan) == 3 for plan in receiver.plans)
+    receiver.post()
+    events = transport.events
+    first_of_1 = events.index(("post", 1, 0))
+    sender0 = [i for i, e in enumerate(events) if e[1] == 0]
+    if ordered:
+        waits0 = [i for i, e in enumerate(events) if e[0] == "wait" and e[1] == 0]
+        assert len(waits0) == 3 and max(waits0) < first_of_1, events
+    else:
+        assert max(sender0) > first_of_1 and not any(e[0] == "wait" for e in events), events

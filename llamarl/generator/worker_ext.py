@@ -10,9 +10,11 @@ its own shards (vLLM's `load_weights` slices full tensors for tensor parallelism
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from llamarl.generator.cpu_fixes import disable_onednn_prepack
+from llamarl.generator.gpu_memory import GIB, check_sync_fits, sync_need_bytes
 from llamarl.parallel.groups import post_from_root
 from llamarl.parallel.transports.base import TransportSpec
 from llamarl.parallel.weight_plan import OTHER_TAGS, metas_from_json
@@ -28,11 +30,17 @@ class LlamarlWorkerExtension:
         """Open the receiving end of the weight sync (trainer rank i's shard layout:
         metas_json[i]); returns the number of senders."""
         device = torch.device(self.device) if hasattr(self, "device") else torch.device("cpu")
+        metas = [metas_from_json(m) for m in metas_json]
         if device.type == "cuda":
             torch.cuda.set_device(device)
+            # before anything is allocated: does the sync fit what vLLM left free?
+            free, total = torch.cuda.mem_get_info(device)
+            cache = self.cache_config
+            check_sync_fits(sync_need_bytes(metas), free, total,
+                            cache.gpu_memory_utilization, spec.senders,
+                            (cache.kv_cache_memory_bytes or 0) / GIB)
         self._llamarl_receiver = open_weight_sync(
-            "receive", spec, bucket_mb, device, solo_mb,
-            metas=[metas_from_json(m) for m in metas_json])
+            "receive", spec, bucket_mb, device, solo_mb, metas=metas)
         return spec.senders
 
     def llamarl_worker(self) -> LlamarlWorkerExtension:
@@ -59,9 +67,13 @@ class LlamarlWorkerExtension:
         if key not in self._llamarl_raw:
             self._llamarl_raw[key] = [torch.empty(n, dtype=torch.uint8, device=receiver.device)
                                       for n in nbytes]
-        works = [post_from_root(group, chunk, OTHER_TAGS + i, p2p)
-                 for group, buf in zip(receiver.transport.groups, self._llamarl_raw[key])
-                 for i, chunk in enumerate(buf.split(chunk_bytes))]
+        works = []
+        for group, buf in zip(receiver.transport.groups, self._llamarl_raw[key]):
+            works += [post_from_root(group, chunk, OTHER_TAGS + i, p2p)
+                      for i, chunk in enumerate(buf.split(chunk_bytes))]
+            if not p2p:  # broadcasts: sender by sender, as a weight sync's (WeightReceiver)
+                for work in works:
+                    work.wait()
         for work in works:
             work.wait()
         return sum(nbytes)
@@ -71,6 +83,16 @@ class LlamarlWorkerExtension:
         return float(sum(p.detach().double().sum() for p in self.model_runner.model.parameters()))
 
     def llamarl_seed_sampler(self, seed: int) -> None:
-        """Seed the generator vLLM's sampler draws from (requests carry no seed of their own):
-        torch's default generators of this process, where the sampler runs (Engine.generate)."""
+        """Seed the generators vLLM's sampler draws from (requests carry no seed of their
+        own), in this process, where the sampler runs (Engine.generate):
+
+        * torch's default generators: vLLM's CPU sampler and the GPU Model Runner V1 draw
+          their noise from them;
+        * numpy's global generator: on CUDA with Triton vLLM 0.32 runs Model Runner V2,
+          whose Gumbel sampler gives each request without a seed one drawn from
+          `np.random.randint` when the request is added (v1/worker/gpu/sample/states.py),
+          and its noise is a function of that seed and the position alone. Seeded here,
+          the requests of a call get their seeds in the order they are added, which
+          depends on the call alone (its prompts, in order)."""
         torch.manual_seed(seed)
+        np.random.seed(seed % 2**32)

@@ -113,6 +113,11 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(SILENT_RANK_GRACE_S)
         return 2
 
+    # Each rank's GPU(s), before anything touches CUDA (launch/gpus.py: vLLM would put every
+    # engine on cuda:0)
+    from llamarl.launch.gpus import apply_placement
+    apply_placement(layout, env.rank, env.local_rank)
+
     if not joining:
         from llamarl.launch.supervisor import supervise, wants_supervisor
         if wants_supervisor(cfg, layout, env):  # an engine the job can lose, under torchrun

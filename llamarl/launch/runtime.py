@@ -25,11 +25,12 @@ from llamarl.buffer.shm import sweep_run
 from llamarl.config import Config, config_to_yaml
 from llamarl.errors import first_line
 from llamarl.launch.dist_env import DistEnv
+from llamarl.launch.gpus import placed_index
 from llamarl.launch.job_store import StoreError, job_identity, job_prefix, open_job_store
 from llamarl.launch.layout import Layout, RankRole
 from llamarl.launch.roster import Roster
 from llamarl.launch.watchdog import Watchdog, peek
-from llamarl.parallel.groups import GroupSpec, connect_store, default_backend
+from llamarl.parallel.groups import GroupSpec, broadcasts, connect_store, default_backend
 from llamarl.parallel.transports.base import TransportSpec
 
 STARTUP_TIMEOUT_S = 600.0
@@ -76,7 +77,7 @@ class Runtime:
         # restart's included), so no run reads the files of another sharing transport_dir
         directory = Path(sync.transport_dir or self.run_dir / "weight_sync") / self.run_id
         tp_groups: list[GroupSpec] = []
-        if layout.tp > 1 and default_backend(self.device) == "nccl":
+        if layout.tp > 1 and broadcasts(default_backend(self.device)):
             # resharded syncs broadcast to one tp rank's receivers: [trainer r, tp rank k of
             # every engine] (gloo sends point to point and needs none)
             n = 1 + layout.engines
@@ -172,6 +173,11 @@ def lost_nodes_line(store: dist.Store, layout: Layout) -> str:
 
 
 def pick_device(env: DistEnv) -> torch.device:
+    """This rank's device: the GPU launch/gpus.py placed it on, else (a process not started
+    through llamarl.launch) GPU local_rank of those the node shows, else the CPU."""
+    index = placed_index()
+    if index is not None:
+        return torch.device("cuda", index)
     if torch.cuda.is_available():
         return torch.device("cuda", env.local_rank % torch.cuda.device_count())
     return torch.device("cpu")

@@ -12,6 +12,7 @@ Backends: NCCL for GPU tensors, gloo on CPU.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -70,6 +71,18 @@ def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, root: int) -> None
     _broadcast(group, tensor, root).wait()
 
 
+# Set to 1, gloo groups carry weight syncs as broadcasts, exactly as NCCL groups do (the
+# receivers' sender-by-sender order, the per-tp-rank broadcast groups): the tests run NCCL's
+# code paths on the CPU with it (tests/test_weight_sync.py).
+GLOO_BROADCAST_ENV = "LLAMARL_GLOO_BROADCAST"
+
+
+def broadcasts(backend: str) -> bool:
+    """Whether weight syncs on groups of `backend` travel as broadcasts (NCCL) rather than
+    as point-to-point messages (gloo; see point_to_point)."""
+    return backend == "nccl" or os.environ.get(GLOO_BROADCAST_ENV) == "1"
+
+
 def point_to_point(group: dist.ProcessGroup) -> bool:
     """Whether the root of `group` sends its messages to every other member as
     point-to-point sends (all posted at once) rather than as broadcasts: on gloo.
@@ -84,7 +97,7 @@ def point_to_point(group: dist.ProcessGroup) -> bool:
     is CPU work. (A send posted after its receive writes from the caller's thread, so the tiny
     model's publish takes ~0.3 ms longer.) NCCL enqueues broadcasts on its stream without a thread
     handoff, and with several engines its ring or tree beats the root sending each a copy."""
-    return isinstance(group, dist.ProcessGroupGloo)
+    return isinstance(group, dist.ProcessGroupGloo) and not broadcasts("gloo")
 
 
 def post_to_all(group: dist.ProcessGroup, tensor: torch.Tensor, tag: int,

@@ -109,6 +109,17 @@ class WeightReceiver:
             targets = self.slice_flats
         works: list[list[Work]] = [[] for _ in targets]
         self.transport.begin()
+        if self.transport.ordered:
+            # NCCL: sender by sender, each sender's broadcasts waited for (on NCCL a wait
+            # orders the GPU streams and returns at once) before the next sender's are posted,
+            # so this GPU runs one weight communicator at a time, in the same order on every
+            # engine (docs/architecture.md, "NCCL order")
+            for s, sender_targets in enumerate(targets):
+                works[s] = [self.transport.receive(t, s, b, own)
+                            for b, t in enumerate(sender_targets)]
+                for work in works[s]:
+                    work.wait()
+            return works
         for b in range(max((len(t) for t in targets), default=0)):
             for s, sender_targets in enumerate(targets):
                 if b < len(sender_targets):

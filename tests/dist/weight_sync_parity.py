@@ -1,5 +1,6 @@
-"""torchrun --nproc-per-node 2 + TP (2 FSDP2 trainer ranks + 1 vLLM engine of TP ranks, $TP,
-default 1), via llamarl's own runtime. The trainers change the policy with real optimizer steps and broadcast it, twice; the
+"""torchrun --nproc-per-node 2 + ENGINES x TP (2 FSDP2 trainer ranks + $ENGINES vLLM engines,
+default 1, of $TP ranks, default 1), via llamarl's own runtime. With LLAMARL_GLOO_BROADCAST=1
+the weights travel as NCCL's do (broadcasts, received sender by sender, per-tp-rank groups). The trainers change the policy with real optimizer steps and broadcast it, twice; the
 generator compares its engine with the trainer's model before and after each sync and writes
 the findings to $OUT (JSON). The first sync goes through vLLM's load_weights (and records it),
 the second replays the recorded copies straight from the receive buffers. With TP = 2 the
@@ -107,7 +108,8 @@ def generator(rt, model_dir):
                         worker._llamarl_receiver.bytes_per_sync))[0]
     result["buckets"] = rt.store.add("trainer/nbuckets", 0)
     result["sent_as_is"] = rt.store.add("trainer/sent_as_is", 0)
-    with open(os.environ["OUT"], "w") as f:
+    out = os.environ["OUT"] + (f".e{rt.role.index}" if rt.role.index else "")
+    with open(out, "w") as f:
         json.dump(result, f)
 
 
@@ -151,9 +153,9 @@ if __name__ == "__main__":
                              "generator.max_new_tokens=10", "trainer.lr=3e-3",
                              f"run.output_dir={os.environ['RUNS']}"])
     env = from_environ()
-    tp = int(os.environ.get("TP", "1"))
-    cfg.generator.tp = tp
-    rt = setup(cfg, compute_layout(env.world_size, env.local_world_size, 2, 1, tp), env)
+    tp, engines = int(os.environ.get("TP", "1")), int(os.environ.get("ENGINES", "1"))
+    cfg.generator.tp, cfg.generator.engines = tp, engines
+    rt = setup(cfg, compute_layout(env.world_size, env.local_world_size, 2, engines, tp), env)
     (trainer if rt.role.role == "trainer" else generator)(rt, model_dir)
     if rt.role.role != "trainer":  # vLLM's tp segments (cpu_fixes), as the launcher's end does
         rt.cleanup_shared_memory()

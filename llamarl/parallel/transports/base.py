@@ -91,6 +91,11 @@ class ReceiverTransport(ABC):
     # Whether the next sync's receives may be posted right after a load (the trainers' sends
     # then leave while the engine generates); not when a pending receive holds the device.
     posts_early = True
+    # Whether one sender's receives must be complete before the next sender's are posted:
+    # NCCL, where each sender's broadcasts run on a communicator of their own, and NCCL
+    # kernels of several communicators in flight on one GPU may deadlock unless every rank
+    # orders them alike (docs/architecture.md, "NCCL order").
+    ordered = False
 
     def __init__(self, spec: TransportSpec):
         self.spec = spec

@@ -91,6 +91,7 @@ class Receiver(ReceiverTransport):
         self._p2p = [point_to_point(g) for g in self.groups]
         # NCCL: a broadcast posted early would hold the GPU while the engine generates
         self.posts_early = all(self._p2p)
+        self.ordered = not all(self._p2p)  # broadcasts: sender by sender (base.py)
         self.tp_groups = [] if self.posts_early else [make_group(g) for g in spec.tp_groups]
 
     @classmethod

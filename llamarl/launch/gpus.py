@@ -1,0 +1,108 @@
+"""Which GPU(s) each rank uses, decided before anything in the process touches CUDA.
+
+A trainer rank uses GPU `local_rank` of what its node shows it (`cuda:<local_rank mod count>`).
+A generator rank must do the same, but vLLM does not let it: vLLM 0.32's single-process
+executor (a tp = 1 engine) takes the engine's local rank from the device string, which its
+DeviceConfig always sets to a bare `cuda`, so every engine's worker picks `cuda:0`
+(v1/executor/uniproc_executor.py `_distributed_args`, v1/worker/gpu_worker.py); `LLM()` has no
+argument that names another device. So each generator process is shown only its engine's own
+GPUs, through CUDA_VISIBLE_DEVICES, set here before CUDA is initialised:
+
+    tp = 1:  CUDA_VISIBLE_DEVICES = <its GPU>              the worker's cuda:0 is its own GPU
+    tp > 1:  CUDA_VISIBLE_DEVICES = <the engine's tp GPUs>, LOCAL_RANK (vLLM's) = tp rank
+             (every tp rank of an engine sits on one node, next to each other: the layout)
+
+Where the node already shows the process a single GPU (Slurm's --gpus-per-task=1, or a
+container with one GPU) nothing is changed: that GPU is cuda:0 and the engine's local rank is 0
+(vLLM asserts local_rank < device_count). Each engine then also runs vLLM's tensor-parallel
+all-reduce without its custom (CUDA IPC) kernel, which needs the peers' GPUs visible
+(generator/engine.py).
+
+Why not vLLM's external launcher with LOCAL_RANK = the node's index alone: vLLM 0.32 names its
+compile cache `rank_<rank>_<dp rank>` without the device, so the engines of rank 0 on GPUs 4-7
+would share one cache of graphs compiled for one device. With each engine's GPUs renumbered
+from 0 the compiled graphs are the same for every engine; each engine still gets a cache
+directory of its own (VLLM_CACHE_ROOT, below), so no two engines write one at once.
+
+The decision travels to the rest of the process (runtime.pick_device) and to the processes it
+starts (a supervised engine, a replacement's tp ranks) in GPU_INDEX_ENV.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from llamarl.launch.layout import Layout
+
+VISIBLE = "CUDA_VISIBLE_DEVICES"
+GPU_INDEX_ENV = "LLAMARL_GPU_INDEX"  # this process's device index (cuda:N), once placed
+VLLM_CACHE = "VLLM_CACHE_ROOT"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one rank runs: `visible` is the CUDA_VISIBLE_DEVICES to set (None: leave the
+    environment as it is) and `index` the device it then uses (cuda:index)."""
+
+    visible: str | None
+    index: int
+    sees_engine: bool = True  # a tp > 1 engine's rank sees every GPU of its engine
+
+
+def node_gpus(environ: dict) -> list[str]:
+    """The GPUs this process may use on its node, by the names CUDA_VISIBLE_DEVICES takes:
+    its entries when set, else 0 .. n-1 with n counted through NVML (torch.cuda.device_count
+    asks NVML first, which does not initialise CUDA, so CUDA_VISIBLE_DEVICES set afterwards
+    still takes effect)."""
+    if environ.get(VISIBLE) is not None:
+        return [g.strip() for g in environ[VISIBLE].split(",") if g.strip()]
+    import torch
+
+    if not torch.cuda._is_compiled():
+        return []
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def place(layout: Layout, rank: int, local_rank: int, gpus: list[str]) -> Placement:
+    """The placement of global rank `rank` (local rank `local_rank` on its node, which shows
+    the process `gpus`). A pure function (tests/test_gpu_placement.py)."""
+    assert gpus, "no GPU to place on"
+    role = layout.role_of(rank)
+    n = len(gpus)
+    if role.role == "trainer":
+        return Placement(None, local_rank % n)
+    if n == 1:  # one GPU shown to this task (Slurm --gpus-per-task=1): it is the rank's own
+        return Placement(None, 0, sees_engine=layout.tp == 1)
+    first = local_rank - role.tp_rank  # the engine's first tp rank on this node
+    own = [gpus[(first + k) % n] for k in range(layout.tp)]
+    return Placement(",".join(own), role.tp_rank)
+
+
+def apply_placement(layout: Layout, rank: int, local_rank: int,
+                    environ: dict | None = None) -> Placement | None:
+    """Place this process (once: a process started by a placed one inherits its placement),
+    setting CUDA_VISIBLE_DEVICES for a generator rank. None on a machine without GPUs."""
+    env = os.environ if environ is None else environ
+    if GPU_INDEX_ENV in env:
+        return Placement(env.get(VISIBLE), int(env[GPU_INDEX_ENV]))
+    gpus = node_gpus(env)
+    if not gpus:
+        return None
+    placement = place(layout, rank, local_rank, gpus)
+    if placement.visible is not None:
+        env[VISIBLE] = placement.visible
+    env[GPU_INDEX_ENV] = str(placement.index)
+    role = layout.role_of(rank)
+    if role.role == "generator":
+        # vLLM's compile cache, one per engine (see the module's docstring)
+        root = env.get(VLLM_CACHE) or str(Path.home() / ".cache" / "vllm")
+        env[VLLM_CACHE] = str(Path(root) / f"llamarl-engine{role.index}")
+    return placement
+
+
+def placed_index(environ: dict | None = None) -> int | None:
+    """The device index apply_placement chose for this process, if it ran."""
+    value = (os.environ if environ is None else environ).get(GPU_INDEX_ENV)
+    return None if value is None else int(value)

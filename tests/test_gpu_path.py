@@ -1,0 +1,357 @@
+"""The GPU path, checked on the CPU against vLLM 0.32's own code (the CPU wheel's Python files
+are the CUDA wheel's): where each engine's vLLM worker puts itself, whether the weight sync
+fits what the recipe's gpu_memory_utilization leaves, the sampler's seeding (Model Runner
+V2 draws request seeds from numpy), and the arguments a GPU engine gives vLLM.
+(docs/generator.md, "The GPU path"; on a GPU: tests/test_gpu.py.)"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from llamarl.config import GeneratorConfig, load_config
+from llamarl.generator.gpu_memory import (
+    GIB,
+    SYNC_MARGIN,
+    check_sync_fits,
+    model_bytes_from_config,
+    sync_need_bytes,
+)
+from llamarl.generator.kv_cache import kv_bytes_per_token, sequence_bytes
+from llamarl.launch.gpus import GPU_INDEX_ENV, VISIBLE, apply_placement
+from llamarl.launch.layout import compute_layout
+from llamarl.parallel.weight_plan import TensorMeta
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_RECIPES = sorted((ROOT / "recipes").glob("*gpu.yaml"))
+H100 = int(79.6 * GIB)  # what an 80 GB H100 reports (torch.cuda.mem_get_info)
+# vLLM's own use of its share beside the weights and the KV cache (activations of the profile
+# run, CUDA graphs, the sampler): an allowance, not a measurement
+VLLM_OVERHEAD = 4 * GIB
+
+# The config.json of each GPU recipe's model (Qwen2.5 Instruct, as published), the fields the
+# arithmetic reads: the recipes name models prepared on the cluster, not shipped here.
+QWEN25 = {
+    "Qwen2.5-0.5B-Instruct": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                  num_attention_heads=14, num_key_value_heads=2,
+                                  vocab_size=151936, tie_word_embeddings=True),
+    "Qwen2.5-1.5B-Instruct": dict(hidden_size=1536, intermediate_size=8960,
+                                  num_hidden_layers=28, num_attention_heads=12,
+                                  num_key_value_heads=2, vocab_size=151936,
+                                  tie_word_embeddings=True),
+    "Qwen2.5-7B-Instruct": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                num_attention_heads=28, num_key_value_heads=4,
+                                vocab_size=152064, tie_word_embeddings=False),
+}
+
+
+def recipe_config(recipe: Path, tmp_path: Path, *overrides: str):
+    from test_config import stand_ins
+
+    return load_config(recipe, stand_ins(recipe, tmp_path) + list(overrides))
+
+
+def model_config(cfg) -> dict:
+    name = Path(cfg.model.path).name
+    return {"model_type": "qwen2", "max_position_embeddings": 32768, **QWEN25[name]}
+
+
+# -- placement ---------------------------------------------------------------------------------
+
+def vllm_device(tp: int, environ: dict) -> str:
+    """The physical GPU vLLM 0.32's worker of a generator process with `environ` picks, by
+    vLLM's own code: the executor's _distributed_args (tp 1: UniProcExecutor, from the
+    device string DeviceConfig makes, a bare `cuda`; tp > 1: the external launcher, from
+    LOCAL_RANK), then gpu_worker.init_device's bound check and its logical -> visible ->
+    physical mapping under CUDA_VISIBLE_DEVICES."""
+    from vllm.config.device import DeviceConfig
+    from vllm.platforms.interface import Platform
+    from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher, UniProcExecutor
+
+    class Cuda(Platform):  # CudaPlatform's device-id mapping (its own module needs CUDA)
+        device_control_env_var = "CUDA_VISIBLE_DEVICES"
+
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(environ)
+    try:
+        if tp == 1:
+            stub = SimpleNamespace(vllm_config=SimpleNamespace(
+                device_config=DeviceConfig(device="cuda")))
+            _, _, local_rank = UniProcExecutor._distributed_args(stub)
+        else:
+            _, _, local_rank = ExecutorWithExternalLauncher._distributed_args(None)
+        visible = environ[VISIBLE].split(",")
+        assert local_rank < len(visible), "vLLM: local rank out of bounds for the devices"
+        index = Cuda.logical_device_id_to_visible_device_id(local_rank)
+        return visible[index]
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def generator_env(layout, rank: int, local_rank: int, node_visible: str) -> tuple[dict, object]:
+    """The environment a generator rank hands vLLM: launch/gpus.py's placement, then
+    engine.prepare_environment (tp 1 drops LOCAL_RANK; tp > 1 sets it to the EngineWorld's
+    local rank, which generator/loop.py takes from the rank's device index)."""
+    env = {VISIBLE: node_visible}
+    placement = apply_placement(layout, rank, local_rank, env)
+    if layout.tp > 1:
+        env.update(RANK=str(layout.role_of(rank).tp_rank), LOCAL_RANK=str(placement.index))
+    return env, placement
+
+
+LAUNCHES = [(recipe, launch, tp) for recipe in GPU_RECIPES for launch in ("torchrun", "slurm")
+            for tp in (1, 2)]
+
+
+@pytest.mark.parametrize("recipe,launch,tp", LAUNCHES,
+                         ids=[f"{r.stem}-{launch}-tp{tp}" for r, launch, tp in LAUNCHES])
+def test_every_engine_runs_on_its_ranks_own_gpu(recipe, launch, tp, tmp_path):
+    """8 GPUs a node. torchrun: every rank sees the node's 8 GPUs and owns GPU local_rank.
+    slurm: each task sees only its own GPU (--gpus-per-task=1). Each engine's vLLM worker must
+    land on the GPU its rank owns, never on a trainer's or another engine's."""
+    cfg = recipe_config(recipe, tmp_path)
+    engines = cfg.generator.engines // tp  # the same GPUs, as engines of tp GPUs
+    cfg = recipe_config(recipe, tmp_path, f"generator.tp={tp}", f"generator.engines={engines}")
+    per_node = 8
+    world = cfg.trainer.ranks + cfg.generator.engines * tp
+    layout = compute_layout(world, per_node, cfg.trainer.ranks, cfg.generator.engines, tp)
+    used: dict[tuple[int, str], int] = {}
+    for rank in range(world):
+        node, local = divmod(rank, per_node)
+        own = str(local)  # the node's GPU this rank owns
+        node_visible = own if launch == "slurm" else ",".join(map(str, range(per_node)))
+        role = layout.role_of(rank)
+        if role.role == "trainer":
+            placement = apply_placement(layout, rank, local, {VISIBLE: node_visible})
+            gpu = node_visible.split(",")[placement.index]
+        else:
+            env, placement = generator_env(layout, rank, local, node_visible)
+            gpu = vllm_device(tp, env)
+            assert placement.sees_engine == (launch == "torchrun" or tp == 1)
+        assert gpu == own, (rank, role.name, gpu, own)
+        assert (node, gpu) not in used, f"rank {rank} shares GPU {gpu} with rank {used[node, gpu]}"
+        used[node, gpu] = rank
+
+
+def test_placement_is_made_once_and_inherited():
+    """A process started by a placed one (a supervised engine, a replacement's tp ranks) keeps
+    its parent's placement: its CUDA_VISIBLE_DEVICES already names the engine's GPU alone."""
+    layout = compute_layout(8, 8, 4, 4, 1)
+    env = {VISIBLE: "0,1,2,3,4,5,6,7"}
+    first = apply_placement(layout, 6, 6, env)
+    assert env[VISIBLE] == "6" and env[GPU_INDEX_ENV] == "0" and first.index == 0
+    again = apply_placement(layout, 6, 6, env)
+    assert env[VISIBLE] == "6" and again.index == 0
+    assert env["VLLM_CACHE_ROOT"].endswith("llamarl-engine2"), "a compile cache per engine"
+
+
+def test_no_gpu_no_placement(monkeypatch):
+    monkeypatch.delenv(VISIBLE, raising=False)
+    monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: False)
+    env: dict = {}
+    assert apply_placement(compute_layout(3, 3, 2, 1, 1), 2, 2, env) is None and env == {}
+
+
+# -- memory ------------------------------------------------------------------------------------
+
+def sync_metas(config: dict, senders: int) -> list[list[TensorMeta]]:
+    """The shard layouts T FSDP2 trainer ranks publish for a Qwen2 model: every tensor's rows
+    split over the senders (Shard(0)), in bf16."""
+    h, v, inter = config["hidden_size"], config["vocab_size"], config["intermediate_size"]
+    head_dim = h // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.q_proj.bias": (q,),
+                       p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.v_proj.bias": (kv,),
+                       p + "self_attn.o_proj.weight": (h, q),
+                       p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                       p + "mlp.down_proj.weight": (h, inter),
+                       p + "input_layernorm.weight": (h,),
+                       p + "post_attention_layernorm.weight": (h,)})
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (v, h)
+    out = []
+    for r in range(senders):
+        metas = []
+        for name, shape in shapes.items():
+            rows = math.ceil(shape[0] / senders)
+            row0 = min(r * rows, shape[0])
+            n = min(rows, shape[0] - row0)
+            if n > 0:
+                metas.append(TensorMeta(name, "torch.bfloat16", shape, n, row0))
+        out.append(metas)
+    return out
+
+
+def largest_call(cfg) -> int:
+    """generator/loop.largest_call's arithmetic for a recipe."""
+    g, engines = cfg.generator, cfg.generator.engines
+    train = g.prompts_per_step // engines * g.samples_per_prompt
+    if g.mode == "continuous":
+        train = g.in_flight_sequences or train
+    return max(train, -(-cfg.data.eval_prompts // engines) * cfg.data.eval_samples_per_prompt)
+
+
+@pytest.mark.parametrize("recipe", GPU_RECIPES, ids=[r.stem for r in GPU_RECIPES])
+def test_every_gpu_recipe_fits_an_80gb_gpu(recipe, tmp_path):
+    """What vLLM leaves free under the recipe's gpu_memory_utilization holds the weight
+    sync's peak (receive buffers + the first sync's assembled tensors), and vLLM's share
+    holds the weights, its overhead and the KV cache of the largest generate call."""
+    cfg = recipe_config(recipe, tmp_path)
+    config = model_config(cfg)
+    model = model_bytes_from_config(config)
+    metas = sync_metas(config, cfg.trainer.ranks)
+    need = sync_need_bytes(metas)
+    assert sum(m.numel for ms in metas for m in ms) * 2 == model  # the two counts agree
+    assert need == (2 * model if cfg.trainer.ranks > 1 else model)
+    u = cfg.generator.gpu_memory_utilization
+    check_sync_fits(need, int((1 - u) * H100), H100, u, cfg.trainer.ranks)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    per_token = kv_bytes_per_token(tmp_path / "m", "bfloat16", cfg.generator.tp)
+    kv_need = largest_call(cfg) * sequence_bytes(cfg.generator.max_model_len, 16, per_token)
+    kv_room = u * H100 - model - VLLM_OVERHEAD
+    assert kv_need <= kv_room, (kv_need / GIB, kv_room / GIB)
+
+
+def test_the_startup_check_fires_on_a_recipe_that_does_not_fit(tmp_path):
+    """The 7B recipe as it was (gpu_memory_utilization 0.85): 8 senders' shards of 14.2 GiB
+    and the first sync's 14.2 GiB more, against the 11.9 GiB vLLM leaves. One line naming the
+    key and a value that fits, which does fit."""
+    recipe = ROOT / "recipes" / "qwen2.5_7b_ppo_gsm8k_2x8gpu.yaml"
+    cfg = recipe_config(recipe, tmp_path, "generator.gpu_memory_utilization=0.85")
+    need = sync_need_bytes(sync_metas(model_config(cfg), cfg.trainer.ranks))
+    with pytest.raises(ValueError) as e:
+        check_sync_fits(need, int(0.15 * H100), H100, 0.85, 8)
+    line = str(e.value)
+    assert "\n" not in line and "generator.gpu_memory_utilization=0.85" in line
+    fits = float(line.split("set generator.gpu_memory_utilization=")[1].split()[0])
+    assert 0.4 < fits < 0.85
+    check_sync_fits(need, int((1 - fits) * H100), H100, fits, 8)
+    with pytest.raises(ValueError, match="kv_cache_gib=20: set generator.kv_cache_gib=2.56"):
+        check_sync_fits(need, int(0.15 * H100), H100, 0.85, 8, kv_cache_gib=20)
+    assert need + SYNC_MARGIN > 0.15 * H100
+
+
+def test_sync_need_counts_buffers_and_assembled_tensors():
+    whole = TensorMeta("norm", "torch.float32", (8,))
+    split = [TensorMeta("w", "torch.bfloat16", (6, 4), 3, 0), TensorMeta("w", "torch.bfloat16",
+                                                                         (6, 4), 3, 3)]
+    assert sync_need_bytes([[whole, split[0]], [split[1]]]) == 8 * 4 + 24 * 2 + 24 * 2
+
+
+# -- sampler seeds -----------------------------------------------------------------------------
+
+def test_the_sampler_seed_covers_numpy():
+    """vLLM 0.32's Model Runner V2 (CUDA with Triton) gives each request without a seed one
+    from np.random.randint as it is added (v1/worker/gpu/sample/states.py): seeding the
+    sampler must seed numpy's global generator too, and torch's."""
+    from vllm.v1.worker.gpu.sample import states  # noqa: F401 - the module that draws them
+
+    from llamarl.generator.worker_ext import LlamarlWorkerExtension
+
+    seed = (1 << 62) + 12345  # sampler_seed's 63 bits
+    draws = []
+    for _ in range(2):
+        np.random.seed(0)
+        torch.manual_seed(0)
+        LlamarlWorkerExtension.llamarl_seed_sampler(None, seed)
+        draws.append((np.random.randint(-(2**63), 2**63 - 1), torch.rand(1).item()))
+    assert draws[0] == draws[1]
+    np.random.seed(seed % 2**32)
+    assert draws[0][0] == np.random.randint(-(2**63), 2**63 - 1)
+
+
+# -- the engine's vLLM arguments on GPU --------------------------------------------------------
+
+class FakeLLM:
+    """Stands in for vllm.LLM on the CPU to see what a GPU engine asks of it (the real GPU
+    engine: tests/test_gpu.py). Its cache config says what vLLM 0.32 decides on a GPU: the
+    attention backend's block size (here 32) and the blocks it allocated."""
+
+    made: list[dict] = []
+
+    def __init__(self, **kwargs):
+        FakeLLM.made.append(kwargs)
+        cache = SimpleNamespace(block_size=32, num_gpu_blocks=1000)
+        self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(cache_config=cache))
+
+    def get_tokenizer(self):
+        return None
+
+    def collective_rpc(self, method, args=()):
+        return [SimpleNamespace(model_runner=None)]
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    import vllm
+
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    # the engine sets what vLLM reads in os.environ: put it back afterwards
+    for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_LOGGING_LEVEL", "RANK", "WORLD_SIZE",
+                "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_USE_AGENT_STORE"):
+        present = key in os.environ
+        monkeypatch.setenv(key, os.environ.get(key, ""))
+        if not present:
+            monkeypatch.delenv(key)
+    FakeLLM.made = []
+    yield FakeLLM
+    gc.unfreeze()
+
+
+def test_gpu_engine_turns_async_scheduling_off_and_reads_the_block_size(fake_vllm,
+                                                                        tiny_model_dir):
+    from llamarl.generator.engine import Engine
+
+    cfg = GeneratorConfig(max_model_len=64, prompts_per_step=4, samples_per_prompt=2)
+    engine = Engine(str(tiny_model_dir), cfg, "bfloat16", 0, on_cpu=False)
+    (kwargs,) = fake_vllm.made
+    assert kwargs["async_scheduling"] is False
+    assert kwargs["gpu_memory_utilization"] == cfg.gpu_memory_utilization
+    assert "disable_custom_all_reduce" not in kwargs
+    assert engine.block_size == 32, "the block size vLLM chose, not a default"
+    assert engine.kv.cache_bytes == 1000 * 32 * engine.bytes_per_token
+
+
+def test_gpu_engine_kv_cache_of_the_recipes_size(fake_vllm, tiny_model_dir):
+    from llamarl.generator.engine import Engine
+
+    cfg = GeneratorConfig(max_model_len=64, kv_cache_gib=0.5)
+    Engine(str(tiny_model_dir), cfg, "bfloat16", 0, on_cpu=False)
+    (kwargs,) = fake_vllm.made
+    assert kwargs["kv_cache_memory_bytes"] == GIB // 2 and "gpu_memory_utilization" not in kwargs
+
+
+def test_gpu_engine_args_where_tp_ranks_see_one_gpu_each():
+    from llamarl.generator.engine import EngineWorld, gpu_engine_args
+
+    world = EngineWorld(1, 2, "127.0.0.1", 1, 0, peers_visible=False)
+    assert gpu_engine_args(world) == {"async_scheduling": False,
+                                      "disable_custom_all_reduce": True}
+    assert gpu_engine_args(EngineWorld(1, 2, "127.0.0.1", 1, 1)) == {"async_scheduling": False}
+
+
+def test_another_vllm_version_is_said_at_start():
+    from llamarl.generator.engine import VLLM_VERSION, vllm_version_warning
+
+    assert vllm_version_warning(VLLM_VERSION) is None
+    assert vllm_version_warning(VLLM_VERSION + "+cpu") is None
+    line = vllm_version_warning("0.33.0")
+    assert "0.33.0" in line and f"vllm=={VLLM_VERSION}" in line and "\n" not in line
+    import vllm
+
+    assert vllm_version_warning(vllm.__version__) is None, "this machine runs another vLLM"
