@@ -47,6 +47,48 @@ def test_two_gpu_nccl_update_matches_one_gpu(tmp_path, tiny_model_dir):
             atol=5e-4)
 
 
+@pytest.mark.skipif(gpus() < 1, reason="needs a CUDA GPU")
+def test_gpu_visibility_set_after_counting_the_gpus_takes_effect():
+    """launch/gpus.py counts the node's GPUs (torch.cuda.device_count, through NVML) and then
+    sets CUDA_VISIBLE_DEVICES: counting must not have started CUDA, or the setting would be
+    ignored. Hiding every GPU after counting must leave the process none."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, child_env
+
+    code = ("import os, torch\n"
+            "from llamarl.launch.gpus import node_gpus\n"
+            "n = len(node_gpus(os.environ))\n"
+            "os.environ['CUDA_VISIBLE_DEVICES'] = ''\n"
+            "print(n, torch.cuda.is_available())\n")
+    env = child_env()
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == [str(gpus()), "False"], proc.stdout
+
+
+@pytest.mark.skipif(gpus() < 1, reason="needs a CUDA GPU")
+def test_launch_places_the_engine_on_its_ranks_gpu(tmp_path):
+    """A trainer rank and an engine rank under torchrun, placed and set up as llamarl.launch
+    does: the trainer on GPU 0; the engine's process sees its own GPU (local rank 1 of the
+    node's GPUs; GPU 0 again on a one-GPU machine) as the cuda:0 that vLLM's worker takes."""
+    import json
+
+    proc = torchrun(2, [str(DIST / "gpu_placement.py")], timeout=300, OUT=tmp_path / "p",
+                    RUNS=tmp_path / "runs")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(gpus())]
+    trainer, engine = (json.loads((tmp_path / f"p.{r}").read_text()) for r in (0, 1))
+    print(trainer, engine)
+    assert trainer["uuid"] == uuids[0]
+    assert engine["uuid"] == engine["vllm_uuid"] == uuids[1 % gpus()], (engine, uuids)
+    if gpus() > 1:
+        assert engine["device_count"] == 1 and engine["visible"] == "1"
+
+
 def test_vllm_cuda_engine_generates_with_logprobs(tiny_model_dir):
     pytest.importorskip("vllm", reason="vLLM (CUDA build) is not installed")
     import subprocess
