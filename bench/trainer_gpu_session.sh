@@ -35,7 +35,9 @@
 #   cudag_gath the recipe's settings (gath16k) with inductor's CUDA graphs: the gathered
 #              parameters are held through the step, so a block's graphs could replay within it
 #              (measured: 1.89 s, cudagraph trees off their fast path with backwards pending);
-#              cudag_gath_notrees the same with inductor's older per-graph CUDA graphs (not run)
+#              cudag_gath_notrees the same with inductor's older per-graph CUDA graphs (run on an
+#              H100 2026-11-28: fails in its first update, inductor's compile_fx.py asserting
+#              `dst.data_ptr() == src.data_ptr()`: a static input moved between replays)
 #   cudag, cudag_keep  amb09_16k (and keep16k) with inductor's CUDA graphs over each compiled
 #              block (the bench's rows are all 16384 tokens: static shapes), to measure what
 #              the host's launch work costs the host-bound backward
