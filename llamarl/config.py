@@ -320,8 +320,9 @@ class SyncConfig:
     dead_peer_s: float = 30.0  # a rank silent this long is declared dead
     # A lost engine (its process or node gone), with others left: `continue` without it (its
     # prompts and batches go to the others, launch/roster.py) or `stop` the job. Engines on
-    # CPU (gloo) with sync.transport torch or filesystem, in batch or continuous mode,
-    # continue (one of tp > 1 is lost and replaced whole); otherwise a loss stops the
+    # CPU (gloo) with sync.transport torch or filesystem, and engines on GPU (NCCL) with
+    # sync.transport filesystem on one node, in batch or continuous mode, continue (one of
+    # tp > 1 is lost and replaced whole); otherwise a loss stops the
     # job, which recovers from its last checkpoint under torchrun --max-restarts / requeue.
     engine_loss: str = "continue"
     # Under torchrun, an engine whose process died is replaced by itself, this many times per

@@ -81,7 +81,13 @@ def test_which_jobs_survive_an_engine_loss():
     assert survives_engine_loss(_cfg("generator.mode=continuous", "sync.max_staleness=2"),
                                 layout, cpu)
     assert survives_engine_loss(_cfg("sync.transport=filesystem"), layout, cpu)  # swept
-    assert not survives_engine_loss(_cfg(), layout, torch.device("cuda", 0))  # NCCL broadcast
+    cuda = torch.device("cuda", 0)
+    assert not survives_engine_loss(_cfg(), layout, cuda)  # NCCL broadcast
+    # NCCL with the filesystem transport on one node: nothing NCCL spans an engine
+    assert survives_engine_loss(_cfg("sync.transport=filesystem"), layout, cuda)
+    # across nodes rollouts take NCCL pair groups
+    assert not survives_engine_loss(_cfg("sync.transport=filesystem"),
+                                    compute_layout(4, 2, 2, 2, 1), cuda)
     assert not survives_engine_loss(_cfg("generator.engines=1"), compute_layout(3, 3, 2, 1, 1),
                                     cpu)
     # an engine of tp 2 is lost whole (its other rank leaves with it: launch/watchdog.py)

@@ -236,14 +236,25 @@ def setup(cfg: Config, layout: Layout, env: DistEnv, joining: str = "") -> Runti
 
 def survives_engine_loss(cfg: Config, layout: Layout, device: torch.device) -> bool:
     """Whether the job goes on when an engine is lost (sync.engine_loss, docs/operations.md):
-    another engine must be left, and gloo (CPU): weight groups whose point-to-point sends can
-    leave a member out (sync.transport torch; an NCCL broadcast cannot), or the filesystem
-    transport, which waits for no receiver. Batch and continuous generation both hand slots
-    over at batch boundaries (generator/slots.py). An engine of tp > 1 is lost whole
-    (launch/watchdog.py: its other ranks leave with a dead one)."""
-    return (cfg.sync.engine_loss == "continue" and layout.engines >= 2
-            and default_backend(device) == "gloo"
-            and cfg.sync.transport in ("torch", "filesystem"))
+    another engine must be left, and nothing that spans the lost engine may be a collective
+    that cannot leave a member out:
+
+    * gloo (CPU): weight groups whose point-to-point sends can leave a member out
+      (sync.transport torch), or the filesystem transport, which waits for no receiver;
+      rollouts across hosts go point to point on gloo pair groups too;
+    * NCCL (GPU): the filesystem transport on one node. Its weights wait for no receiver and
+      its rollouts go through shared memory; across nodes rollouts take NCCL pair groups,
+      whose pending operations a lost peer would hold until sync.timeout_s, and the torch
+      transport's NCCL broadcast cannot drop a member (docs/operations.md says what is left).
+
+    Batch and continuous generation both hand slots over at batch boundaries
+    (generator/slots.py). An engine of tp > 1 is lost whole (launch/watchdog.py: its other
+    ranks leave with a dead one)."""
+    if cfg.sync.engine_loss != "continue" or layout.engines < 2:
+        return False
+    if default_backend(device) == "gloo":
+        return cfg.sync.transport in ("torch", "filesystem")
+    return cfg.sync.transport == "filesystem" and layout.nodes == 1
 
 
 def engine_loss_allowed(cfg: Config, layout: Layout, device: torch.device):
