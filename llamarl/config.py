@@ -313,6 +313,12 @@ class SyncConfig:
     # filesystem but no process group), or the import path of a module of your own.
     transport: str = "torch"
     transport_dir: str = ""  # filesystem transport: a directory all ranks see (default: run's)
+    # torch transport: `shared`, one group per trainer rank with every engine (one NCCL
+    # broadcast per bucket reaches them all); `pairs`, one group per (trainer rank, engine),
+    # point to point (E sends per bucket, but a lost engine's group is aborted alone, so a GPU
+    # job survives it: docs/operations.md); `auto`: pairs where that lets a GPU job on one
+    # node go on after an engine loss (sync.engine_loss continue, 2+ engines), else shared.
+    weight_groups: str = "auto"
     # Engines of generator.tp > 1: from the second sync on, send each tp rank only the part of
     # each tensor it loads (its rows or columns, found on the first sync); false: everything.
     reshard: bool = True
@@ -320,8 +326,9 @@ class SyncConfig:
     dead_peer_s: float = 30.0  # a rank silent this long is declared dead
     # A lost engine (its process or node gone), with others left: `continue` without it (its
     # prompts and batches go to the others, launch/roster.py) or `stop` the job. Engines on
-    # CPU (gloo) with sync.transport torch or filesystem, and engines on GPU (NCCL) with
-    # sync.transport filesystem on one node, in batch or continuous mode, continue (one of
+    # CPU (gloo) with sync.transport torch or filesystem, and engines on GPU (NCCL) on one
+    # node with sync.transport filesystem, or torch with sync.weight_groups pairs (auto), in
+    # batch or continuous mode, continue (one of
     # tp > 1 is lost and replaced whole); otherwise a loss stops the
     # job, which recovers from its last checkpoint under torchrun --max-restarts / requeue.
     engine_loss: str = "continue"
@@ -361,6 +368,7 @@ _CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "generator.mode": ("batch", "continuous"),
     "sync.engine_loss": ("continue", "stop"),
+    "sync.weight_groups": ("auto", "shared", "pairs"),
     "generator.in_flight_kv": ("recompute", "keep"),
     "model.attn_implementation": ("sdpa", "eager", "flash_attention_2", "flex_attention"),
     "trainer.master_dtype": ("float32", "bfloat16"),

@@ -89,6 +89,19 @@ def test_launch_places_the_engine_on_its_ranks_gpu(tmp_path):
         assert engine["device_count"] == 1 and engine["visible"] == "1"
 
 
+@pytest.mark.skipif(gpus() < 3, reason="needs 3 GPUs: a sender and two engines over NCCL")
+def test_aborting_a_lost_engines_pair_group_releases_the_send(tmp_path):
+    """sync.weight_groups pairs on NCCL (what lets a GPU job go on after an engine loss): a
+    send to a dead engine holds until its pair group is aborted, then ends, and the pair with
+    the live engine goes on."""
+    import json
+
+    proc = torchrun(3, [str(DIST / "nccl_pair_abort.py")], timeout=300, OUT=tmp_path / "r")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads((tmp_path / "r.0").read_text())
+    assert r["aborted"] and r["released_s"] < 60, r
+
+
 def test_vllm_cuda_engine_generates_with_logprobs(tiny_model_dir):
     pytest.importorskip("vllm", reason="vLLM (CUDA build) is not installed")
     import subprocess

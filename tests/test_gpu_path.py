@@ -355,3 +355,25 @@ def test_another_vllm_version_is_said_at_start():
     import vllm
 
     assert vllm_version_warning(vllm.__version__) is None, "this machine runs another vLLM"
+
+
+def test_a_placed_replacements_tp_ranks_each_take_their_own_gpu(monkeypatch):
+    """A supervisor's replacement of a tp 2 engine (on GPU: placed, it sees the engine's two
+    GPUs) starts its tp rank 1 with device index 1, not its own 0; one that sees a single GPU
+    is a one-line error."""
+    import subprocess
+
+    from llamarl.launch import join
+    from llamarl.launch.dist_env import DistEnv
+
+    started = []
+    monkeypatch.setattr(subprocess, "Popen", lambda cmd, env, **kw: started.append(env))
+    layout = compute_layout(8, 8, 4, 2, 2)
+    env = DistEnv(6, 8, 6, 8, "127.0.0.1", 1, "torchrun")
+    monkeypatch.setenv(VISIBLE, "6,7")
+    monkeypatch.setenv(GPU_INDEX_ENV, "0")
+    join.spawn_tp_ranks(layout, env, "1", ["--join", "run"])
+    assert [e[GPU_INDEX_ENV] for e in started] == ["1"] and started[0][VISIBLE] == "6,7"
+    monkeypatch.setenv(VISIBLE, "6")
+    with pytest.raises(ValueError, match="sees 1 GPU"):
+        join.spawn_tp_ranks(layout, env, "1", ["--join", "run"])

@@ -42,7 +42,9 @@ def _check_run(out, steps: int, engines: int = 1) -> list[dict]:
 
 def test_two_tp2_engines_one_lost_and_replaced(tmp_path, cache_dir):
     """6 ranks on one host: trainers 0-1, engine 0 on ranks 2-3, engine 1 on ranks 4-5,
-    on-policy in batch mode over the torch transport. At step 3 engine
+    on-policy in batch mode over the torch transport, on pair groups (sync.weight_groups
+    pairs: one per trainer rank and engine, as a GPU job that can lose an engine uses; the
+    shared groups' losses: tests/test_engine_loss.py). At step 3 engine
     1's follower (tp rank 1) is SIGKILLed: its leader leaves the job with it (exit 0), the
     trainers drop the engine once both its ranks are gone and engine 0 makes slot 1's batches.
     Then the supervisor of engine 1's tp rank 0 (launch/supervisor.py: torchrun keeps the job)
@@ -58,7 +60,8 @@ def test_two_tp2_engines_one_lost_and_replaced(tmp_path, cache_dir):
     steps = 2000
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=6",
            "-m", "llamarl.launch", RECIPE, f"run.steps={steps}", "generator.engines=2",
-           SOLO, f"run.output_dir={tmp_path}", *SMALL, "run.eval_every=50"]
+           SOLO, f"run.output_dir={tmp_path}", *SMALL, "run.eval_every=50",
+           "sync.weight_groups=pairs"]
     # a file, not a pipe: nobody reads a pipe while the test waits, and a full one would stall
     # the ranks
     log = open(tmp_path / "job.log", "w+")

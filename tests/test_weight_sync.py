@@ -9,8 +9,8 @@ from conftest import DIST, torchrun
 
 
 @pytest.mark.parametrize("tp,engines,broadcast", [(1, 1, False), (2, 1, False),
-                                                   (1, 2, True), (2, 1, True)],
-                         ids=["tp1", "tp2", "nccl-shaped-2x2", "nccl-shaped-tp2"])
+                                                   (1, 2, True), (2, 1, True), (1, 2, "pairs")],
+                         ids=["tp1", "tp2", "nccl-shaped-2x2", "nccl-shaped-tp2", "pairs-2x2"])
 def test_weight_broadcast_parity_with_fsdp2_trainers(tmp_path, tiny_model_dir, tp, engines,
                                                      broadcast):
     """tp = 2: one engine of two ranks (generator/tp.py), each loading half of every layer;
@@ -18,10 +18,12 @@ def test_weight_broadcast_parity_with_fsdp2_trainers(tmp_path, tiny_model_dir, t
 
     nccl-shaped: the paths NCCL takes, on gloo (LLAMARL_GLOO_BROADCAST=1): every bucket a
     broadcast, each engine receiving sender by sender; 2 trainer ranks to 2 engines, and the
-    per-tp-rank broadcast groups of a resharded tp 2 engine (built only for NCCL otherwise)."""
+    per-tp-rank broadcast groups of a resharded tp 2 engine (built only for NCCL otherwise).
+    pairs: one group per trainer rank and engine (sync.weight_groups), point to point."""
     out = tmp_path / "parity.json"
     segments = set(Path("/dev/shm").glob("llamarl_*"))
-    env = {"LLAMARL_GLOO_BROADCAST": "1"} if broadcast else {}
+    env = ({"OVERRIDES": "sync.weight_groups=pairs"} if broadcast == "pairs" else
+           {"LLAMARL_GLOO_BROADCAST": "1"} if broadcast else {})
     proc = torchrun(2 + engines * tp, [str(DIST / "weight_sync_parity.py")], timeout=600,
                     OUT=out, MODEL_DIR=tiny_model_dir, RUNS=tmp_path / "runs", TP=tp,
                     ENGINES=engines, **env)

@@ -85,7 +85,7 @@ class DistChannel(Channel):
             self._thread = threading.Thread(target=self._send_loop, daemon=True,
                                             name=f"llamarl-xfer-{self.channel}")
             self._thread.start()
-        self._outbox.put(payload.to(self.device))
+        self._outbox.put(payload)
         return seq, {"size": payload.numel(), "layout": layout, "info": batch.info,
                      "pair": self.pair}
 
@@ -94,7 +94,16 @@ class DistChannel(Channel):
             if self.group is None:  # a takeover's pair: the consumer builds it at our batch
                 self.group = make_group(self.rt.group_spec(self.pair, PRODUCER, 2))
             while True:
-                self.group.send([self._outbox.get()], CONSUMER, 0).wait()
+                # Moved to the device here, on this thread's stream: on NCCL a send's wait only
+                # orders the waiting thread's stream after it, and the engine's main thread
+                # runs on a stream of vLLM's own, whose next allocation could reuse the
+                # payload's memory while the send (pending until the trainer receives) still
+                # reads it. The synchronize keeps it until the GPU has sent it.
+                payload = self._outbox.get().to(self.device)
+                self.group.send([payload], CONSUMER, 0).wait()
+                if payload.is_cuda:
+                    torch.cuda.current_stream(payload.device).synchronize()
+                del payload
         except BaseException as e:
             self._error = e
 

@@ -51,7 +51,14 @@ from llamarl.generator.weights import WeightFollower, fresh_version
 from llamarl.launch.cores import local_ranks, threads_for
 from llamarl.launch.gpus import node_gpus
 from llamarl.launch.roster import Roster, join_group_name
-from llamarl.launch.runtime import Runtime, free_port, log, survives_engine_loss
+from llamarl.launch.runtime import (
+    Runtime,
+    free_port,
+    log,
+    pair_group_name,
+    survives_engine_loss,
+    weight_pairs,
+)
 from llamarl.rewards.dynamic_sampling import collect_groups
 from llamarl.rewards.scorer import RewardScorer, ScoredGroup
 from llamarl.rollout.source import RolloutSource, SourceContext, build_source
@@ -128,7 +135,11 @@ def join_weight_groups(rt: Runtime, engine: Engine) -> int:
     gen_ranks = rt.layout.generator_global_ranks
     me = 1 + gen_ranks.index(rt.role.rank)
     trainers = range(rt.layout.trainer_ranks)
-    groups = [rt.group_spec(f"wsync{r}", me, 1 + len(gen_ranks)) for r in trainers]
+    if weight_pairs(rt.cfg, rt.layout, rt.device):  # [trainer r, this engine's tp ranks]
+        groups = [rt.group_spec(pair_group_name(r, rt.role.index), 1 + rt.role.tp_rank,
+                                1 + rt.layout.tp) for r in trainers]
+    else:
+        groups = [rt.group_spec(f"wsync{r}", me, 1 + len(gen_ranks)) for r in trainers]
     engine.join_weight_sync(rt.weight_transport(me, groups),
                             [rt.wait_key(f"wsync/meta/{r}") for r in trainers],
                             rt.cfg.sync.bucket_mb, rt.cfg.sync.solo_mb)

@@ -92,10 +92,25 @@ def spawn_tp_ranks(layout: Layout, env: DistEnv, incarnation: str,
     """On tp rank 0 of a replacement engine of tp > 1: start its other tp ranks (`python -m
     llamarl.launch --join ...` again, told their place by TP_RANK_ENV); each dies with this
     process (PR_SET_PDEATHSIG)."""
+    from llamarl.launch.gpus import GPU_INDEX_ENV, VISIBLE
     from llamarl.launch.supervisor import die_with_parent
 
     role = layout.role_of(env.rank)
+
+    def child_env(k: int) -> dict:
+        child = {**os.environ, TP_RANK_ENV: f"{role.index}:{incarnation}:{k}"}
+        if GPU_INDEX_ENV in os.environ:  # placed already (a supervisor's child, on GPU):
+            # this process sees the engine's tp GPUs (launch/gpus.py); tp rank k takes GPU k
+            visible = [g for g in os.environ.get(VISIBLE, "").split(",") if g.strip()]
+            if len(visible) < layout.tp:
+                raise ValueError(
+                    f"a replacement of generator {role.index} (generator.tp {layout.tp}) sees "
+                    f"{len(visible)} GPU(s) (CUDA_VISIBLE_DEVICES={os.environ.get(VISIBLE)!r}), "
+                    f"not its {layout.tp}: start it where its tp GPUs are visible to one "
+                    "process")
+            child[GPU_INDEX_ENV] = str(k)
+        return child
+
     return [subprocess.Popen([sys.executable, "-m", "llamarl.launch", *argv],
-                             env={**os.environ, TP_RANK_ENV: f"{role.index}:{incarnation}:{k}"},
-                             preexec_fn=die_with_parent)
+                             env=child_env(k), preexec_fn=die_with_parent)
             for k in range(1, layout.tp)]

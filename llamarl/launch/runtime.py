@@ -77,7 +77,10 @@ class Runtime:
         # restart's included), so no run reads the files of another sharing transport_dir
         directory = Path(sync.transport_dir or self.run_dir / "weight_sync") / self.run_id
         tp_groups: list[GroupSpec] = []
-        if layout.tp > 1 and broadcasts(default_backend(self.device)):
+        pairs = weight_pairs(self.cfg, layout, self.device)
+        if pairs:  # point to point on each pair group (torch_dist.Sender)
+            options = {**(options or {}), "pairs": True}
+        elif layout.tp > 1 and broadcasts(default_backend(self.device)):
             # resharded syncs broadcast to one tp rank's receivers: [trainer r, tp rank k of
             # every engine] (gloo sends point to point and needs none)
             n = 1 + layout.engines
@@ -254,7 +257,28 @@ def survives_engine_loss(cfg: Config, layout: Layout, device: torch.device) -> b
         return False
     if default_backend(device) == "gloo":
         return cfg.sync.transport in ("torch", "filesystem")
-    return cfg.sync.transport == "filesystem" and layout.nodes == 1
+    return layout.nodes == 1 and (cfg.sync.transport == "filesystem"
+                                  or weight_pairs(cfg, layout, device))
+
+
+def weight_pairs(cfg: Config, layout: Layout, device: torch.device) -> bool:
+    """Whether the torch transport's weight groups are one per (trainer rank, engine),
+    `wsync<r>/pair<e>` = [trainer r, engine e's tp ranks], sent to point to point, rather
+    than one per trainer rank with every engine (sync.weight_groups). On NCCL a lost engine's
+    pair groups are aborted (trainer/weight_members.py) and the others go on; one broadcast
+    group could not leave it out."""
+    if cfg.sync.transport != "torch":
+        return False
+    if cfg.sync.weight_groups != "auto":
+        return cfg.sync.weight_groups == "pairs"
+    return (default_backend(device) == "nccl" and cfg.sync.engine_loss == "continue"
+            and layout.engines >= 2 and layout.nodes == 1)
+
+
+def pair_group_name(trainer: int, engine: int) -> str:
+    """The weight group of trainer rank `trainer` with engine `engine`'s tp ranks
+    (weight_pairs; a replacement's is roster.join_group_name)."""
+    return f"wsync{trainer}/pair{engine}"
 
 
 def engine_loss_allowed(cfg: Config, layout: Layout, device: torch.device):

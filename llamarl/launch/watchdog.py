@@ -61,6 +61,10 @@ class Watchdog:
         # side effect; for the ranks of that engine, which leave rather than declare it)
         self.can_lose = can_lose
         self.excused: set[int] = set()
+        # on_lost(engine): called from the watchdog thread once this rank has excused a lost
+        # engine (trainer/weight_members.py aborts its NCCL pair groups: nothing else would
+        # end a send to it before sync.timeout_s)
+        self.on_lost: list[Callable[[int], None]] = []
         self.pending: set[int] = set()  # dead ranks of an engine whose other ranks still run
         self._first_cause: dict[int, str] = {}  # why its first rank was found dead, by engine
         me = layout.role_of(rank)
@@ -311,7 +315,7 @@ class Watchdog:
                 for r in list(self.pending):  # its engine was declared lost by another rank
                     if store.check([f"done/{r}"]):
                         self.pending.discard(r)
-                        self.excused.add(r)
+                        self._excuse([r])
                 if self.replacement_not_back is not None:
                     self.replacement_not_back()  # (read while the store is there)
                 for r, child in self.children:
@@ -383,9 +387,24 @@ class Watchdog:
                      + " and ".join(self.role_name(r) for r in left) + " left with it")
         if self.excuse(store, rank, cause):
             self.pending -= set(engine)
-            self.excused.update(engine)
+            self._excuse(engine)
         else:
             self._die(cause, store)
+
+    def _excuse(self, ranks: list[int]) -> None:
+        """Go on without these generator ranks; once all of an engine's are excused, tell
+        `on_lost` (in this thread)."""
+        self.excused.update(ranks)
+        engines = {self.layout.role_of(r).index for r in ranks
+                   if self.layout.role_of(r).role == "generator"}
+        for e in engines:
+            if set(self.layout.engine_global_ranks(e)) <= self.excused:
+                for fn in self.on_lost:
+                    try:
+                        fn(e)
+                    except Exception as err:  # noqa: BLE001 - one line; the job goes on
+                        print(f"llamarl: rank {self.rank}: after generator {e} was lost: "
+                              f"{type(err).__name__}: {err}", file=sys.stderr, flush=True)
 
     def _running(self, rank: int, store) -> bool:
         """Whether peer `rank` may still run: not found dead, not ended (done/<rank>), and not

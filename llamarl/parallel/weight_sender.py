@@ -102,7 +102,7 @@ class WeightSender:
         # (fsdp.place_shards): the parameter is the send buffer, and packing skips them.
         self.placed = place_shards(model, {name: slot for slots in self._slots
                                            for name, slot in slots})
-        self._works: list[Work] = []
+        self._works: list[tuple[int, Work]] = []  # (receiver, or -1: all) awaited by wait
         # gloo point to point: a thread waits for each sync's sends (see _track)
         self._waiter: threading.Thread | None = None
         self._in_flight: queue.SimpleQueue = queue.SimpleQueue()
@@ -251,12 +251,14 @@ class WeightSender:
         """Time the sync in flight (`last_broadcast_s`) and keep what `wait` waits for."""
         if not pairs:
             return
-        if not p2p:  # a broadcast's future completes when it has been sent (NCCL: by the GPU)
-            works = [w for _, w in pairs]
-            futures = [w.get_future() for w in works]
+        if not p2p or self.device.type == "cuda":
+            # a broadcast's future completes when it has been sent (NCCL: by the GPU). NCCL's
+            # sends too (pair groups): their wait orders this thread's stream after them,
+            # which the optimizer step that follows needs, so `wait` waits for them here.
+            futures = [w.get_future() for _, w in pairs]
             done = futures[0] if len(futures) == 1 else torch.futures.collect_all(futures)
             done.then(lambda _: setattr(self, "last_broadcast_s", time.perf_counter() - t0))
-            self._works = works
+            self._works = pairs
             return
 
         # gloo's sends (and files) have no future: the sender's own thread waits for them (a
@@ -323,16 +325,22 @@ class WeightSender:
         """Block until the sync in flight (if any) has been sent."""
         works, self._works = self._works, []
         sent, self._sent = self._sent, None
-        try:
-            for w in works:
+        lost = self.transport.lost() if works and self.transport is not None else set()
+        failed: list[tuple[int, BaseException]] = []
+        for dst, w in works:  # (dst -1: a broadcast to every receiver)
+            if dst in lost:  # its pair group was aborted (trainer/weight_members.py)
+                continue
+            try:
                 w.wait()
-        except BaseException as e:
-            raise RuntimeError(f"weight broadcast failed: {e}") from e
+            except BaseException as e:
+                if dst < 0:
+                    raise RuntimeError(f"weight broadcast failed: {e}") from e
+                failed.append((dst, e))
         if sent is not None:
             while not sent.wait(0.5):
                 if self._abandon_lost():
                     break
-        failures, self._failures = self._failures, []
+        failures, self._failures = self._failures + failed, []
         if self.transport is not None:  # sends that failed when posted (transport.send)
             failures, self.transport.failures = failures + self.transport.failures, []
         self._settle(failures)

@@ -30,7 +30,13 @@ from llamarl.buffer.channel import open_channel
 from llamarl.buffer.record import RolloutBatch
 from llamarl.launch.cores import threads_for
 from llamarl.launch.roster import Roster
-from llamarl.launch.runtime import Runtime, log, survives_engine_loss
+from llamarl.launch.runtime import (
+    Runtime,
+    log,
+    pair_group_name,
+    survives_engine_loss,
+    weight_pairs,
+)
 from llamarl.parallel.fsdp import apply_fsdp, trainer_options
 from llamarl.parallel.weight_plan import metas_to_json
 from llamarl.parallel.weight_sender import WeightSender
@@ -83,7 +89,11 @@ def open_weight_sender(rt: Runtime, model: torch.nn.Module) -> WeightSender:
     (see generator.loop.join_weight_groups)."""
     r, sync = rt.role.index, rt.cfg.sync
     n_gen = len(rt.layout.generator_global_ranks)
-    spec = rt.weight_transport(r, [rt.group_spec(f"wsync{r}", 0, 1 + n_gen)])
+    pairs = weight_pairs(rt.cfg, rt.layout, rt.device)
+    groups = ([rt.group_spec(pair_group_name(r, e), 0, 1 + rt.layout.tp)
+               for e in range(rt.layout.engines)] if pairs else
+              [rt.group_spec(f"wsync{r}", 0, 1 + n_gen)])
+    spec = rt.weight_transport(r, groups)
     # the engines hold model.dtype; the trainer's master weights may be wider (float32)
     sender = open_weight_sync(
         "send", spec, sync.bucket_mb, rt.device, sync.solo_mb, model=model, store=rt.store,
@@ -92,7 +102,8 @@ def open_weight_sender(rt: Runtime, model: torch.nn.Module) -> WeightSender:
     if survives_engine_loss(rt.cfg, rt.layout, rt.device):  # engines lost and replaced
         sender.transport.members = (
             FileMembers(rt, spec.directory) if sync.transport == "filesystem"
-            else EngineMembers(rt, sender.transport.group))
+            else EngineMembers(rt, sender.transport.group,
+                               sender.transport.pairs if pairs else None))
     return sender
 
 

@@ -42,11 +42,23 @@ def replacement_start(rt: Runtime, e: int, n: str, sync: int) -> int | None:
 
 
 class EngineMembers(Members):
-    def __init__(self, rt: Runtime, group: dist.ProcessGroup):
+    """`group`: the sender's group with every engine (wsync<r>); or `pair_groups`, one per
+    engine (sync.weight_groups pairs: [trainer r, engine e's tp ranks]), of which a lost
+    engine's is aborted the moment this rank's watchdog excuses it (NCCL: a send to it would
+    otherwise hold this rank's GPU stream until sync.timeout_s)."""
+
+    def __init__(self, rt: Runtime, group: dist.ProcessGroup | None,
+                 pair_groups: list[dist.ProcessGroup] | None = None):
         self.rt, self.group = rt, group
+        self.pair_groups = pair_groups
+        self.aborted: set[int] = set()  # ids of the groups aborted
         self.roster = Roster(rt.store, rt.layout.engines)
         # engine e's ranks in the group (one per tp rank: each receives its own copy)
         self.receivers = _receivers(rt)
+        if pair_groups is not None:  # its tp ranks are ranks 1 .. tp of its own group
+            self.receivers = {e: [1 + k for k in range(rt.layout.tp)]
+                              for e in range(rt.layout.engines)}
+            rt.watchdog.on_lost.append(self.abort_engine)
         self.pairs: dict[int, tuple[str, dist.ProcessGroup]] = {}  # engine -> (n, its group)
         self.syncs = 0  # syncs sent so far: the index of the next one
         self._joining: set[int] = set()  # replacements that receive but are not back yet
@@ -74,7 +86,8 @@ class EngineMembers(Members):
                 out += [(e, pair, 1 + k) for k in range(self.rt.layout.tp)]
                 joining.add(e)
             elif e not in lost:
-                out += [(e, self.group, dst) for dst in self.receivers[e]]
+                group = self.group if self.pair_groups is None else self.pair_groups[e]
+                out += [(e, group, dst) for dst in self.receivers[e]]
         self._joining = joining & lost
         return out
 
@@ -84,6 +97,20 @@ class EngineMembers(Members):
         store = self.rt.store  # a replacement that died before it was back: lost again
         return {e for e in self.roster.read().lost
                 if e not in self._joining or not store.check([f"join/{e}"])}
+
+    def abort_engine(self, e: int) -> None:
+        """Engine e is lost (the watchdog's thread): abort its NCCL pair groups, the job's and
+        a replacement's, so that sends to it end (with an error, forgiven since e is lost)
+        instead of holding this rank's GPU. Gloo needs none: a send to a dead peer fails, or is
+        abandoned (WeightSender._abandon_lost)."""
+        groups = [] if self.pair_groups is None else [self.pair_groups[e]]
+        if e in self.pairs:
+            groups.append(self.pairs[e][1])
+        for group in groups:
+            if group.name() == "nccl" and id(group) not in self.aborted:
+                self.aborted.add(id(group))
+                group.abort()
+                log(self.rt, f"aborted the weight group of lost engine {e}")
 
     def _replacement(self, e: int, n: str, i: int) -> dist.ProcessGroup | None:
         """The group of replacement n of engine e if it receives sync i, building it at its

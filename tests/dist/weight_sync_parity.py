@@ -151,7 +151,8 @@ if __name__ == "__main__":
                              "generator.block_size=32",
                              "sync.bucket_mb=1", "sync.solo_mb=0.015625",
                              "generator.max_new_tokens=10", "trainer.lr=3e-3",
-                             f"run.output_dir={os.environ['RUNS']}"])
+                             f"run.output_dir={os.environ['RUNS']}",
+                             *os.environ.get("OVERRIDES", "").split()])
     env = from_environ()
     tp, engines = int(os.environ.get("TP", "1")), int(os.environ.get("ENGINES", "1"))
     cfg.generator.tp, cfg.generator.engines = tp, engines

@@ -4,8 +4,13 @@ generator rank form the group `wsync<r>` (group rank 0 = the sender, receiver j 
 On gloo (CPU) every bucket goes to each receiver as a point-to-point send, all posted at once
 (groups.point_to_point says why); on NCCL (GPU) as one broadcast. Which receivers get a sync
 is `Members`' answer: every other member by default, the engines alive when engines can be
-lost and replaced (trainer/weight_members.py, which also gives a replacement a two-rank group
-of its own). A broadcast cannot leave a member out: with NCCL a lost engine fails the job.
+lost and replaced (trainer/weight_members.py, which also gives a replacement a group of its
+own). A broadcast cannot leave a member out: with one NCCL group a lost engine fails the job.
+
+Pair groups (`spec.options["pairs"]`, sync.weight_groups; runtime.weight_pairs): sender r has a
+group with each engine e, `wsync<r>/pair<e>` = [sender, e's tp ranks], and sends every bucket
+point to point on each (NCCL's send / recv on GPU); a lost engine's groups can be aborted
+without touching the others.
 """
 
 from __future__ import annotations
@@ -40,13 +45,32 @@ class Members:
         return set()
 
 
+class PairMembers(Members):
+    """Who receives on pair groups: engine e's tp ranks (group ranks 1 .. tp) on pair e."""
+
+    def __init__(self, pairs: list[dist.ProcessGroup], tp: int):
+        self.pairs, self.tp = pairs, tp
+
+    def targets(self) -> list[tuple[int, dist.ProcessGroup, int]]:
+        return [(e, g, 1 + k) for e, g in enumerate(self.pairs) for k in range(self.tp)]
+
+
 class Sender(SenderTransport):
     def __init__(self, spec: TransportSpec, group: dist.ProcessGroup | None = None,
                  members: Members | None = None):
         super().__init__(spec)
-        self.group = group if group is not None else make_group(spec.groups[0])
-        self.point_to_point = point_to_point(self.group)
-        self.members = members or Members(lambda: self.group)
+        self.pairs: list[dist.ProcessGroup] = []  # pair groups: one per engine
+        if spec.options.get("pairs") and group is None:
+            # a rendezvous with each engine in turn; an engine builds its pairs in trainer
+            # order, so no two ranks wait for each other
+            self.pairs = [make_group(g) for g in spec.groups]
+            self.group = None
+            self.point_to_point = True
+            self.members = members or PairMembers(self.pairs, spec.tp)
+        else:
+            self.group = group if group is not None else make_group(spec.groups[0])
+            self.point_to_point = point_to_point(self.group)
+            self.members = members or Members(lambda: self.group)
         self._targets: list[tuple[int, dist.ProcessGroup, int]] = []
         # broadcasts to one tp rank's receivers (NCCL, tp > 1; point to point needs none)
         self.tp_groups = ([] if self.point_to_point else
@@ -88,11 +112,15 @@ class Receiver(ReceiverTransport):
     def __init__(self, spec: TransportSpec, groups: list[dist.ProcessGroup] | None = None):
         super().__init__(spec)
         self.groups = groups if groups is not None else [make_group(g) for g in spec.groups]
-        self._p2p = [point_to_point(g) for g in self.groups]
-        # NCCL: a broadcast posted early would hold the GPU while the engine generates
-        self.posts_early = all(self._p2p)
-        self.ordered = not all(self._p2p)  # broadcasts: sender by sender (base.py)
-        self.tp_groups = [] if self.posts_early else [make_group(g) for g in spec.tp_groups]
+        pairs = bool(spec.options.get("pairs"))
+        self._p2p = [pairs or point_to_point(g) for g in self.groups]
+        nccl = any(g.name() == "nccl" for g in self.groups)
+        # NCCL: a receive posted early would hold the GPU while the engine generates
+        self.posts_early = all(self._p2p) and not nccl
+        # several communicators on one GPU (NCCL), or broadcasts: sender by sender (base.py)
+        self.ordered = nccl or not all(self._p2p)
+        self.tp_groups = ([] if all(self._p2p) else
+                          [make_group(g) for g in spec.tp_groups])
 
     @classmethod
     def over(cls, groups: list[dist.ProcessGroup]) -> Receiver:
