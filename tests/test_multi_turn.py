@@ -106,12 +106,44 @@ def test_env_pool_contains_errors_hangs_and_crashes():
         pool.close()
     pool = EnvPool("user_envs:CrashingEnv", "compact", workers=1, threads=4, timeout_s=5.0)
     try:
-        _run(pool, [(0, "open", {"prompt": "x"}), (1, "open", {"prompt": "y"})])
+        _run(pool, [(0, "open", {"prompt": "x"})])
         kind, what = _run(pool, [(0, "turn", "hi")])[0][1]
         assert kind == "error" and "died" in what
         assert pool.restarts == 1
-        kind, what = _run(pool, [(1, "turn", "hi")])[0][1]  # its state went with the worker
-        assert kind == "error" and "gone" in what
+    finally:
+        pool.close()
+
+
+def test_a_dead_worker_costs_only_the_episode_whose_call_killed_it():
+    """A tool that kills its worker (os._exit) ends the episode whose call was running; the
+    worker's other live episodes are rebuilt in the new worker from their calls (row, turns)
+    and go on where they were (their turn counts continue), and a later episode is served."""
+    pool = EnvPool("user_envs:CrashOnDieEnv", "compact", workers=1, threads=4, timeout_s=5.0)
+    try:
+        opened = _run(pool, [(e, "open", {"prompt": str(e)}) for e in range(4)])
+        assert all(o[1][0] == "ok" for o in opened)
+        assert [o[1] for o in _run(pool, [(e, "turn", "hi") for e in (1, 2, 3)])] == \
+            [("ok", ("turn 1", {"tool_calls": 1, "tool_errors": 0, "malformed": 0}))] * 3
+        kind, what = _run(pool, [(0, "turn", "die")])[0][1]
+        assert kind == "error" and "died (exit code 3) during this call" in what
+        assert pool.restarts == 1 and pool.replayed == 3
+        turns = _run(pool, [(e, "turn", "hi") for e in (1, 2, 3)])
+        assert [o[1][1][0] for o in turns] == ["turn 2"] * 3, turns
+        assert [o[1] for o in _run(pool, [(e, "reward", "") for e in (1, 2, 3)])] == \
+            [("ok", 2.0)] * 3
+        assert _run(pool, [(0, "turn", "hi")])[0][1][0] == "error"  # (its episode ended)
+        assert _run(pool, [(9, "open", {"prompt": "9"})])[0][1][0] == "ok"
+    finally:
+        pool.close()
+
+
+def test_an_observation_that_is_not_valid_unicode_fails_its_own_call():
+    pool = EnvPool("user_envs:SurrogateEnv", "compact", workers=1, threads=2, timeout_s=5.0)
+    try:
+        _run(pool, [(0, "open", {"prompt": "x"}), (1, "open", {"prompt": "y"})])
+        kind, what = _run(pool, [(0, "turn", "hi")])[0][1]
+        assert kind == "error" and "not valid Unicode" in what and "\\ud800" in what, what
+        assert pool.restarts == 0
     finally:
         pool.close()
 

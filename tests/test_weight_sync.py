@@ -33,6 +33,9 @@ def test_weight_broadcast_parity_with_fsdp2_trainers(tmp_path, tiny_model_dir, t
         other = json.loads(Path(f"{out}.e{e}").read_text())
         assert other["greedy_match"] and other["max_abs_dlogprob"] <= 1e-3, other
     r = json.loads(out.read_text())
+    # NCCL's shape: sender by sender, and tp 2 resharded over the per-tp-rank groups
+    assert r["ordered"] == (broadcast is True), r
+    assert r["tp_groups"] == (2 if broadcast is True and tp == 2 else 0), r
     assert r["buckets"] >= 2, "both trainer ranks must send their shards"
     assert r["greedy_match"], r
     assert r["max_abs_dlogprob"] <= 1e-3, r

@@ -47,6 +47,34 @@ class CrashingEnv(Environment):
         return 0.0
 
 
+class CrashOnDieEnv(Environment):
+    """A tool that kills its worker process when the model says "die"; other turns count
+    (the observation says which turn of the episode this is)."""
+
+    def __init__(self, row):
+        super().__init__(row)
+        self.turns = 0
+
+    def turn(self, text, tool_format):
+        if text == "die":
+            os._exit(3)
+        self.turns += 1
+        return f"turn {self.turns}", {"tool_calls": 1, "tool_errors": 0, "malformed": 0}
+
+    def reward(self, answer):
+        return float(self.turns)
+
+
+class SurrogateEnv(Environment):
+    """An observation holding a lone surrogate (no tokenizer can encode it)."""
+
+    def turn(self, text, tool_format):
+        return "bad \ud800 text", {"tool_calls": 1, "tool_errors": 0, "malformed": 0}
+
+    def reward(self, answer):
+        return 0.0
+
+
 class RaisingRewardEnv(Environment):
     def turn(self, text, tool_format):
         return None, {"tool_calls": 0, "tool_errors": 0, "malformed": 0}

@@ -15,8 +15,18 @@ meanwhile, and polls.
 Deadlines (rollout.timeout_s per call): a call without a reply by then is a "timeout" for its
 episode (a late reply is ignored; a thread cannot be killed, so it may run on). A worker that
 has not replied to anything for timeout_s + KILL_GRACE_S while a call of it is overdue (its
-interpreter is stuck), or that died, is killed and restarted: every live episode on it ends with
-an error. Nothing waits forever.
+interpreter is stuck), or that died (a tool called os._exit, a segfault), is killed and
+restarted. Nothing waits forever.
+
+What a worker's death costs: the episodes that had a call running in it end with an error
+(any of those calls may be what killed it, and running it again may kill the new worker:
+up to rollout.threads_per_worker of them, usually one). Every other live episode of that
+worker is restored in the new one: the pool keeps each episode's calls (its row, then the
+text of each turn) and replays them there ("replay", run before any later call of the
+worker), so it goes on as if nothing happened, provided its environment is deterministic
+in those calls (a tool with outside side effects runs them again). Text an environment
+returns that is not valid Unicode (a lone surrogate, which no tokenizer can encode) fails
+its own call.
 """
 
 from __future__ import annotations
@@ -46,6 +56,24 @@ def _resolve_env(name: str):
     return cls
 
 
+def _check_text(value, what: str) -> None:
+    """ValueError where `value` (a str, or chat messages) holds text that is not valid
+    Unicode: a lone surrogate such as "\\ud800" passes through Python but no tokenizer can
+    encode it (the generator's tokenizer would raise a TypeError for the whole run)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{what} returned text that is not valid Unicode "
+                             f"({value[e.start:e.end]!r} at position {e.start}: a lone "
+                             "surrogate); return str of valid characters") from None
+    elif isinstance(value, list):
+        for message in value:
+            if isinstance(message, dict):
+                for v in message.values():
+                    _check_text(v, what)
+
+
 def _run(envs: dict, cls, tool_format: str, episode: int, method: str, arg) -> object:
     if method == "open":
         env = cls(arg)
@@ -53,7 +81,16 @@ def _run(envs: dict, cls, tool_format: str, episode: int, method: str, arg) -> o
         prompt = env.prompt()
         if not isinstance(prompt, (str, list)):
             raise TypeError(f"prompt() returned {type(prompt).__name__}, not str or messages")
+        _check_text(prompt, "prompt()")
         return prompt
+    if method == "replay":  # rebuild a live episode after its worker was restarted
+        row, turns = arg
+        env = cls(row)
+        env.prompt()
+        for text in turns:
+            env.turn(text, tool_format)
+        envs[episode] = env
+        return None
     if method == "close":  # an episode stopped before its end (generator/continuous.py)
         envs.pop(episode, None)
         return None
@@ -62,7 +99,10 @@ def _run(envs: dict, cls, tool_format: str, episode: int, method: str, arg) -> o
         raise RuntimeError("its environment is gone (its worker was restarted after a "
                            "crash or a stuck call)")
     if method == "turn":
-        return env.turn(arg, tool_format)
+        out = env.turn(arg, tool_format)
+        if isinstance(out, tuple) and out:
+            _check_text(out[0], "turn()")
+        return out
     if method == "reward":
         del envs[episode]
         value = float(env.reward(arg))
@@ -104,6 +144,9 @@ def _worker_main(conn, env_name: str, tool_format: str, threads: int) -> None:
                 return
             if msg is None:
                 return
+            if msg[2] == "replay":  # before any later call, which may be of its episode
+                work(*msg)
+                continue
             pool.submit(work, *msg)
 
 
@@ -128,6 +171,10 @@ class EnvPool:
         self._pending: dict[int, _Call] = {}
         self._next_id = 0
         self.restarts = 0
+        # the calls of each live episode, to replay in a restarted worker: (row, turn texts)
+        self._history: dict[int, tuple[object, list[str]]] = {}
+        self._internal: set[int] = set()  # replay calls: their outcomes are not reported
+        self.replayed = 0  # episodes restored after a worker's death
         for w in range(workers):
             self._start(w)
 
@@ -157,6 +204,12 @@ class EnvPool:
         """Submit `method(arg)` for `episode`; returns the call id that poll() reports."""
         w = episode % len(self._procs)
         call_id, self._next_id = self._next_id, self._next_id + 1
+        if method == "open":
+            self._history[episode] = (arg, [])
+        elif method == "turn" and episode in self._history:
+            self._history[episode][1].append(arg)
+        elif method in ("reward", "close"):
+            self._history.pop(episode, None)
         if not self._pending or all(c.worker != w for c in self._pending.values()):
             self._last_reply[w] = time.monotonic()  # idle until now: not stuck
         self._pending[call_id] = _Call(episode, w, time.monotonic())
@@ -187,7 +240,11 @@ class EnvPool:
                     break
                 self._last_reply[w] = time.monotonic()
                 call = self._pending.pop(call_id, None)
-                if call is not None:  # None: it had timed out already
+                if kind != "ok" and call is not None:  # the worker dropped its environment
+                    self._history.pop(call.episode, None)
+                if call_id in self._internal:  # a replay: a failure shows at its next call
+                    self._internal.discard(call_id)
+                elif call is not None:  # None: it had timed out already
                     out.append((call_id, call.episode, (kind, value)))
         out += self._expire()
         return out
@@ -202,22 +259,33 @@ class EnvPool:
                 continue
             if now - call.started > self.timeout_s:
                 del self._pending[call_id]
-                out.append((call_id, call.episode, ("timeout", None)))
+                self._history.pop(call.episode, None)  # (it ends its episode)
+                if call_id not in self._internal:
+                    out.append((call_id, call.episode, ("timeout", None)))
                 if now - self._last_reply[call.worker] > self.timeout_s + KILL_GRACE_S:
                     dead.add(call.worker)  # stuck interpreter: nothing comes back from it
         for w in dead:
             code = self._procs[w].exitcode
             for call_id, call in list(self._pending.items()):
-                if call.worker == w:
+                if call.worker == w:  # running when it died: any may be the cause
                     del self._pending[call_id]
+                    self._history.pop(call.episode, None)
+                    if call_id in self._internal:
+                        self._internal.discard(call_id)
+                        continue
                     out.append((call_id, call.episode,
-                                ("error", f"the environment worker died (exit code {code})"
-                                 if code is not None else "the environment worker was stuck "
-                                 "and was restarted")))
+                                ("error", f"the environment worker died (exit code {code}) "
+                                 "during this call" if code is not None else
+                                 "the environment worker was stuck and was restarted")))
             if self._procs[w].is_alive():
                 self._procs[w].kill()
             self._procs[w].join(5)
             self._conns[w].close()
             self.restarts += 1
             self._start(w)
+            # the worker's other live episodes: rebuilt in the new one from their calls
+            for episode, (row, turns) in list(self._history.items()):
+                if episode % len(self._procs) == w:
+                    self._internal.add(self.call(episode, "replay", (row, list(turns))))
+                    self.replayed += 1
         return out

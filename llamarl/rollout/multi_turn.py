@@ -137,7 +137,7 @@ class EpisodeRunner:
     step()."""
 
     _METRICS = ("episodes", "turns", "tool_calls", "tool_errors", "malformed", "env_errors",
-                "env_timeouts", "env_s", "engine_busy_s")
+                "env_timeouts", "env_replayed", "env_s", "engine_busy_s")
 
     def __init__(self, source: MultiTurnSource, temperature: float, spans: bool = False):
         self.source, self.temperature, self.spans = source, temperature, spans
@@ -146,6 +146,7 @@ class EpisodeRunner:
         self.calls: dict[int, str] = {}  # call id -> method
         self.live = 0  # episodes not ended
         self.metrics = dict.fromkeys(self._METRICS, 0.0)
+        self._replayed0 = source.pool.replayed  # (env_replayed: counted from here)
 
     def add(self, key: int, prompt, n: int) -> None:
         src = self.source
@@ -200,6 +201,20 @@ class EpisodeRunner:
         if not ep.sample.token_ids:  # it never started: its prompt, with nothing to train
             ep.sample.add_context(self.groups[ep.group][0].token_ids)
 
+    def _encode(self, eid: int, method: str, encode, value, ended: set, *args):
+        """encode(value, *args): the token ids of a prompt or observation an environment
+        returned, or None when the tokenizer (or chat template) refuses it: then its episode
+        fails as a raising call would (the worker already rejects invalid Unicode)."""
+        try:
+            return encode(value, *args)
+        except Exception as e:  # noqa: BLE001 - user text: any error is the episode's
+            self._failed(eid, method, ("error", f"{method} returned text the tokenizer cannot "
+                                                f"encode ({type(e).__name__}: {e})"))
+            self.calls[self.source.pool.call(eid, "close", None)] = "close"  # (its env)
+            self.live -= 1
+            ended.add(self.episodes[eid].group)
+            return None
+
     def step(self, version: int) -> list[ScoredGroup]:
         src, m = self.source, self.metrics
         engine, pool, ro = src.ctx.engine, src.pool, src.ctx.cfg.rollout
@@ -223,6 +238,7 @@ class EpisodeRunner:
                     self.calls[pool.call(eid, "turn", c.text)] = "turn"
         t0 = time.perf_counter()
         results = pool.poll(0.0 if engine.busy else _IDLE_WAIT_S)
+        m["env_replayed"] = float(pool.replayed - self._replayed0)
         if not engine.busy:
             m["env_s"] += time.perf_counter() - t0
         ended = set()
@@ -238,7 +254,10 @@ class EpisodeRunner:
                 continue
             value = outcome[1]
             if method == "open":
-                ep.sample.add_context(src.encoder.prompt_ids(value))
+                ids = self._encode(eid, method, src.encoder.prompt_ids, value, ended)
+                if ids is None:
+                    continue
+                ep.sample.add_context(ids)
                 self._submit(eid)
             elif method == "turn":
                 observation, counts = value
@@ -251,7 +270,10 @@ class EpisodeRunner:
                 else:
                     ended_eos = bool(ep.sample.token_ids) and \
                         ep.sample.token_ids[-1] == src.eos
-                    obs = src.encoder.observation_ids(observation, ended_eos)
+                    obs = self._encode(eid, method, src.encoder.observation_ids,
+                                       observation, ended, ended_eos)
+                    if obs is None:
+                        continue
                     if len(ep.sample.token_ids) + len(obs) >= src.max_tokens:
                         self._end(eid, "context")  # no room for the observation and a turn
                     else:

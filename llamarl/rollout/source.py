@@ -116,6 +116,8 @@ def _episode_metrics(parts: list[dict]) -> dict:
         "tool_calls_per_episode": tot["tool_calls"] / episodes,
         "tool_errors": int(tot["tool_errors"]), "malformed_calls": int(tot["malformed"]),
         "env_errors": int(tot["env_errors"]), "env_timeouts": int(tot["env_timeouts"]),
+        # episodes restored in a restarted environment worker (rollout/env_worker.py)
+        "env_replayed": int(tot.get("env_replayed", 0)),
         "env_s": max(p.get("env_s", 0.0) for p in parts),
         # the engine stepped for this share of the collection (it idles only while every
         # live episode waits for its environment)

@@ -89,6 +89,10 @@ def generator(rt, model_dir):
                                         for a, b in zip(before, greedy)]
             result["checksum_after"] = engine.checksum()
     result["checksum_after_2"] = engine.checksum()
+    # how the receives went: sender by sender (NCCL's order), and over the per-tp-rank groups
+    result["ordered"], result["tp_groups"] = engine.llm.collective_rpc(
+        lambda worker: (getattr(worker._llamarl_receiver.transport, "ordered", False),
+                        len(getattr(worker._llamarl_receiver.transport, "tp_groups", []))))[0]
     result["replayed"], result["in_place"] = engine.llm.collective_rpc(
         lambda worker: (worker._llamarl_receiver.replay is not None,
                         sum(t is not f for ts, fs in zip(worker._llamarl_receiver.targets,
