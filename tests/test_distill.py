@@ -263,4 +263,6 @@ def test_recipe_distils_through_the_launcher_and_resumes_exactly(tmp_path, cache
         assert a["kl_teacher"] == pytest.approx(b["kl_teacher"], rel=1e-6)
     wa = load_file(run / "policy" / "model.safetensors")
     wb = load_file(split / run.name / "policy" / "model.safetensors")
-    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-5
+    worst = max((wa[k] - wb[k]).abs().max().item() for k in wa)
+    print(f"distillation resume: max |weight difference| after 4 steps = {worst:.3g}")
+    assert worst <= 1e-5  # (as tests/test_resume.py; measured: 0, bitwise)
