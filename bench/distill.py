@@ -14,7 +14,8 @@ build: elapsed_s counts from the first step). The goal (issue 48): distillation 
 final held-out reward in at most a third of GRPO's steps. Reported per seed and as medians over
 seeds: GRPO's held-out reward at its last step (the target), the first evaluation step (and
 the wall clock of training up to it) at which distillation reaches the seed's target and the
-median target, and both curves.
+median target, the first steps at which each method reaches THRESHOLDS, and both curves.
+`--summarize FILE` recomputes the summary of a results file.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from launch_logs import torchrun_logs_in_temp
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = {"grpo": "recipes/tiny_grpo_cpu.yaml", "distill": "recipes/tiny_distill_cpu.yaml"}
+THRESHOLDS = (0.5, 0.6, 0.65, 0.7)  # held-out rewards whose first step each method is timed to
 
 
 def run(algo: str, seed: int, steps: int, eval_every: int, extra: list[str]) -> dict:
@@ -87,8 +89,20 @@ def summarize(runs: list[dict], grpo_steps: int) -> dict:
     reached = [s["distill_step_to_grpo_final"] for s in per_seed]
     walls = [s["distill_wall_s_to_grpo_final"] for s in per_seed]
     steps_median = statistics.median(reached) if all(x is not None for x in reached) else None
+    thresholds = {}
+    for thr in THRESHOLDS:  # the first evaluation at or above thr, median over seeds
+        firsts = {}
+        for algo, by_seed in (("grpo", grpo), ("distill", dist)):
+            hits = [first_reaching(r["points"], thr) for r in by_seed.values()]
+            firsts[algo] = (None if any(h is None for h in hits) else
+                            {"step": statistics.median(h["step"] for h in hits),
+                             "wall_s": statistics.median(h["wall_s"] for h in hits)})
+        g, d = firsts["grpo"], firsts["distill"]
+        thresholds[str(thr)] = dict(firsts, step_ratio=d["step"] / g["step"] if g and d else None,
+                                    wall_ratio=d["wall_s"] / g["wall_s"] if g and d else None)
     return {
         "grpo_steps": grpo_steps, "target_median_grpo_final": target,
+        "thresholds": thresholds,
         "per_seed": per_seed,
         "distill_steps_to_grpo_final_median": steps_median,
         "distill_wall_s_to_grpo_final_median": (statistics.median(walls)
@@ -114,7 +128,16 @@ def main() -> int:
                     help="an override of the GRPO recipe (repeatable), e.g. a control with the "
                          "distillation's algorithm.mini_batches")
     ap.add_argument("overrides", nargs="*", help="key=value for the distillation recipe")
+    ap.add_argument("--summarize", metavar="JSON",
+                    help="recompute the summary of the runs of a results file, running nothing")
     args = ap.parse_args()
+    if args.summarize:
+        result = json.loads(Path(args.summarize).read_text())
+        result["summary"] = summarize(result["runs"], result["summary"]["grpo_steps"])
+        Path(args.summarize).write_text(json.dumps(result, indent=1) + "\n")
+        print(json.dumps({k: v for k, v in result["summary"].items() if k != "curves"},
+                         indent=1))
+        return 0
     torchrun_logs_in_temp()
     runs = []
     for seed in args.seeds:
