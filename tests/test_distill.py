@@ -248,7 +248,8 @@ def test_recipe_distils_through_the_launcher_and_resumes_exactly(tmp_path, cache
     (run,) = [p for p in straight.iterdir() if p.is_dir()]
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert all(r["kl_teacher"] > 0.1 for r in rows), [r["kl_teacher"] for r in rows]
+    kl = [r["kl_teacher"] for r in rows]  # the student moves to the teacher: the KL falls
+    assert kl[0] > 0.5 and kl[-1] < kl[0] / 2, kl
     evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [0, 2, 4] and all("reward_mean" in e for e in evals)
 
