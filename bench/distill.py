@@ -4,6 +4,7 @@ and wall-clock time, one run after the other for each of --seeds, written to --o
     python bench/distill.py [--grpo-steps 150] [--distill-steps 60] [--seeds 0 1 2]
                             [--eval-every 10] [--out bench/results/distill.json]
                             [--grpo-set key=value ...]  # overrides of the GRPO recipe
+                            [--algos grpo]       # one side only (a control)
                             [key=value ...]      # overrides of the distillation recipe
 
 GRPO runs recipes/tiny_grpo_cpu.yaml, distillation recipes/tiny_distill_cpu.yaml: the same
@@ -86,6 +87,7 @@ def summarize(runs: list[dict], grpo_steps: int) -> dict:
             "distill_step_to_grpo_final": mine and mine["step"],
             "distill_wall_s_to_grpo_final": mine and mine["wall_s"],
             "distill_step_to_median_target": at_median and at_median["step"]})
+    at_target = [s["distill_step_to_median_target"] for s in per_seed]
     reached = [s["distill_step_to_grpo_final"] for s in per_seed]
     walls = [s["distill_wall_s_to_grpo_final"] for s in per_seed]
     steps_median = statistics.median(reached) if all(x is not None for x in reached) else None
@@ -111,6 +113,9 @@ def summarize(runs: list[dict], grpo_steps: int) -> dict:
                                                 for r in grpo.values()),
         "step_ratio": steps_median / grpo_steps if steps_median is not None else None,
         "goal_met": steps_median is not None and steps_median <= grpo_steps / 3,
+        # the same against the median of GRPO's finals (one target for every seed)
+        "distill_steps_to_median_target_median": (statistics.median(at_target) if all(
+            x is not None for x in at_target) else None),
         "curves": {"grpo": median_curve(list(grpo.values())),
                    "distill": median_curve(list(dist.values()))},
     }
@@ -128,6 +133,8 @@ def main() -> int:
                     help="an override of the GRPO recipe (repeatable), e.g. a control with the "
                          "distillation's algorithm.mini_batches")
     ap.add_argument("overrides", nargs="*", help="key=value for the distillation recipe")
+    ap.add_argument("--algos", nargs="+", default=["distill", "grpo"],
+                    choices=["distill", "grpo"], help="run only these (a control of one side)")
     ap.add_argument("--summarize", metavar="JSON",
                     help="recompute the summary of the runs of a results file, running nothing")
     args = ap.parse_args()
@@ -143,11 +150,19 @@ def main() -> int:
     for seed in args.seeds:
         for algo, steps, extra in (("distill", args.distill_steps, args.overrides),
                                    ("grpo", args.grpo_steps, args.grpo_set)):
+            if algo not in args.algos:
+                continue
             r = run(algo, seed, steps, args.eval_every, extra)
             runs.append(r)
             print(f"{algo} seed {seed}: held-out "
                   + " ".join(f"{p['step']}:{p['reward_mean']:.3f}" for p in r["points"])
                   + f" (step {r['step_s_median']:.2f} s)", flush=True)
+    if set(args.algos) != set(RECIPES):  # one side only: its curves, no comparison
+        result = {"summary": {"grpo_steps": args.grpo_steps, "curves": {
+            a: median_curve([r for r in runs if r["algo"] == a]) for a in args.algos}},
+            "runs": runs}
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        return 0
     result = {"summary": summarize(runs, args.grpo_steps), "runs": runs}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     s = result["summary"]
