@@ -134,8 +134,9 @@ class TrainerConfig:
 @dataclass
 class AlgorithmConfig:
     # The algorithm (llamarl/algorithms/registry.py): grpo | dr_grpo | rloo | reinforce_pp |
-    # reinforce_pp_baseline | ppo (a critic and GAE) | gspo | cispo. It names an advantage
-    # estimator and a policy loss; either can be replaced below.
+    # reinforce_pp_baseline | ppo (a critic and GAE) | gspo | cispo | on_policy_distill (a
+    # teacher's per-token logprobs). It names an advantage estimator and a policy loss; either
+    # can be replaced below.
     name: str = "grpo"
     # "" = the algorithm's; a registry name; or "module:function" (your own estimator / loss,
     # signatures in llamarl/algorithms/registry.py)
@@ -178,6 +179,21 @@ class AlgorithmConfig:
     # micro-batches). 1 and 1 = one optimizer step per rollout batch.
     epochs: int = 1
     mini_batches: int = 1
+    # On-policy distillation (algorithm.name = on_policy_distill, llamarl/algorithms/distill.py):
+    # a frozen teacher, FSDP2-sharded on the trainer ranks like the reference, scores every
+    # token the policy sampled; each token's advantage is
+    #     A_t = -distill_coef * (log pi_theta(y_t) - log pi_teacher(y_t)) + reward_coef * A_i
+    # (the per-token reverse KL, stop-gradient; A_i: algorithm.advantage on the task reward).
+    # teacher_path: a local Hugging Face directory with the policy's tokenizer, or
+    # "tiny-grpo:reverse": the embedded tiny model after the default GRPO recipe
+    # (recipes/tiny_grpo_cpu.yaml), trained on first use and cached like the warm start.
+    teacher_path: str = ""
+    distill_coef: float = 1.0
+    reward_coef: float = 0.0  # the task reward's weight in the advantage (0: distillation only)
+
+
+# algorithm.teacher_path of the embedded tiny model's teacher (llamarl/tiny/teacher.py)
+TINY_TEACHER = "tiny-grpo:reverse"
 
 
 @dataclass
@@ -475,8 +491,9 @@ def validate(cfg: Config) -> Config:
     if cfg.critic.path and cfg.algorithm.name != "ppo":
         _fail("critic.path", cfg.critic.path, "only PPO (algorithm.name=ppo) uses a critic: "
               "remove critic.path or set algorithm.name=ppo")
-    if cfg.generator.samples_per_prompt < 2 and cfg.algorithm.name not in ("reinforce_pp",
-                                                                           "ppo"):
+    distill_only = ALGORITHMS[cfg.algorithm.name].teacher and cfg.algorithm.reward_coef == 0
+    if cfg.generator.samples_per_prompt < 2 and not distill_only and cfg.algorithm.name not in (
+            "reinforce_pp", "ppo"):
         _fail("generator.samples_per_prompt", cfg.generator.samples_per_prompt,
               f"{cfg.algorithm.name} needs at least 2 samples per prompt for its group baseline")
     if len(cfg.trainer.betas) != 2 or not all(0 <= b < 1 for b in cfg.trainer.betas):
@@ -587,6 +604,36 @@ def _validate_algorithm(alg: AlgorithmConfig) -> None:
     if not 0 <= alg.mis_low < 1 < alg.mis_high:
         _fail("algorithm.mis_low/high", [alg.mis_low, alg.mis_high],
               "need 0 <= mis_low < 1 < mis_high")
+    _validate_distill(alg)
+
+
+def _validate_distill(alg: AlgorithmConfig) -> None:
+    """algorithm.teacher_path, distill_coef and reward_coef: read by on_policy_distill only.
+    (Whether the teacher directory exists and shares the policy's tokenizer is checked by the
+    trainer at start, llamarl/trainer/teacher.py.)"""
+    if not ALGORITHMS[alg.name].teacher:
+        defaults = AlgorithmConfig()
+        for key in ("teacher_path", "distill_coef", "reward_coef"):
+            if getattr(alg, key) != getattr(defaults, key):
+                _fail(f"algorithm.{key}", getattr(alg, key),
+                      f"only algorithm.name=on_policy_distill reads it, not {alg.name}: "
+                      "remove it or set algorithm.name=on_policy_distill")
+        return
+    if not alg.teacher_path:
+        _fail("algorithm.teacher_path", alg.teacher_path,
+              "on_policy_distill needs a teacher: a local Hugging Face directory with the "
+              f"policy's tokenizer, or {TINY_TEACHER} for the embedded tiny model")
+    if (":" in alg.teacher_path and alg.teacher_path != TINY_TEACHER
+            and not Path(alg.teacher_path).exists()):
+        _fail("algorithm.teacher_path", alg.teacher_path,
+              f"the embedded tiny model's teacher is {TINY_TEACHER}; other teachers are local "
+              "Hugging Face directories")
+    for key in ("distill_coef", "reward_coef"):
+        if getattr(alg, key) < 0:
+            _fail(f"algorithm.{key}", getattr(alg, key), "must be >= 0")
+    if alg.distill_coef == 0 and alg.reward_coef == 0:
+        _fail("algorithm.distill_coef", 0.0, "and algorithm.reward_coef are both 0, so every "
+              "advantage would be 0: set distill_coef > 0 (the teacher) or reward_coef > 0")
 
 
 def _validate_rollout(cfg: Config) -> None:

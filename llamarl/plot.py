@@ -49,9 +49,13 @@ def latest_per_step(rows: list[dict]) -> list[dict]:
 
 
 def kl_panels(metrics: list[dict]) -> list[tuple[str, list[float]]]:
-    """(y label, per-step values) of each KL chart: the KL to the reference policy when the
-    run has one (algorithm.kl_coef > 0 makes it non-zero), then the mismatch KL."""
+    """(y label, per-step values) of each KL chart: the reverse KL to the teacher when the run
+    distils (algorithm.name = on_policy_distill), the KL to the reference policy when the run
+    has one (algorithm.kl_coef > 0 makes it non-zero), then the mismatch KL."""
     panels = []
+    if any("kl_teacher" in m for m in metrics):
+        panels.append(("reverse KL to the teacher, per token",
+                       [m.get("kl_teacher", 0.0) for m in metrics]))
     if any(m.get("kl_ref", 0.0) for m in metrics):
         panels.append(("KL to the reference policy, per token",
                        [m["kl_ref"] for m in metrics]))

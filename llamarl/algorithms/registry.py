@@ -3,7 +3,8 @@ algorithm, and says what each algorithm needs. Torch-free (names and import path
 recipe validation reads it before anything heavy is imported.
 
     algorithm.name         an ALGORITHMS key: its advantage estimator, its policy loss, and
-                           whether it needs a critic (per-token advantages from GAE)
+                           whether it needs a critic (per-token advantages from GAE) or a
+                           teacher (per-token advantages from the teacher's logprobs)
     algorithm.advantage    "" (the algorithm's) | an ESTIMATORS key | "module:function"
     algorithm.policy_loss  "" (the algorithm's, or algorithm.correction's when that is set)
                            | a POLICY_LOSSES key | "module:function"
@@ -33,6 +34,9 @@ class Algorithm:
     advantage: str  # an ESTIMATORS key, or "gae" (per-token advantages from a critic)
     policy_loss: str  # a POLICY_LOSSES key
     summary: str
+    # per-token advantages from a frozen teacher (algorithms/distill.py); `advantage` is then
+    # the estimator of the task reward mixed in with algorithm.reward_coef
+    teacher: bool = False
 
     @property
     def critic(self) -> bool:
@@ -56,6 +60,8 @@ ALGORITHMS = {
     "ppo": Algorithm("gae", "ppo_clip", "critic, GAE, PPO clip"),
     "gspo": Algorithm("grpo", "gspo", "sequence-level, length-normalised ratio, clipped"),
     "cispo": Algorithm("grpo", "cispo", "clipped stop-gradient IS weights, REINFORCE"),
+    "on_policy_distill": Algorithm("grpo", "ppo_clip", "per-token reverse KL to a teacher as "
+                                   "the advantage (+ reward_coef x GRPO's)", teacher=True),
 }
 # algorithm.correction (off-policy corrections against the behaviour policy) -> its loss
 CORRECTIONS = {"none": "", "aipo": "aipo", "tis": "tis", "icepop": "icepop", "mis": "mis"}

@@ -39,6 +39,7 @@ import os
 import time
 
 from llamarl.buffer.record import RolloutBatch, episode_counts
+from llamarl.config import TINY_TEACHER
 from llamarl.data.dataset import PromptData, load_prompt_data
 from llamarl.data.prompts import PromptFormatter
 from llamarl.generator.continuous import run_continuous
@@ -52,6 +53,7 @@ from llamarl.launch.cores import local_ranks, threads_for
 from llamarl.launch.gpus import node_gpus
 from llamarl.launch.roster import Roster, join_group_name
 from llamarl.launch.runtime import (
+    STARTUP_TIMEOUT_S,
     Runtime,
     free_port,
     log,
@@ -197,6 +199,17 @@ def rejoin(rt: Runtime, weights: WeightFollower, first_sync: int) -> None:
                 f"back in the job")
 
 
+def model_wait_s(cfg) -> float:
+    """How long a generator waits for the trainers to publish the model's path: the start-up
+    limit, plus the tiny teacher's build where the trainers may have to build it first
+    (llamarl/tiny/teacher.py)."""
+    if cfg.algorithm.teacher_path != TINY_TEACHER:
+        return STARTUP_TIMEOUT_S
+    from llamarl.tiny.teacher import BUILD_TIMEOUT_S
+
+    return STARTUP_TIMEOUT_S + BUILD_TIMEOUT_S
+
+
 def run_generator(rt: Runtime) -> None:
     cfg = rt.cfg
     data = read_prompt_data(rt)
@@ -206,7 +219,7 @@ def run_generator(rt: Runtime) -> None:
     # vLLM's import (~10 s of CPU) runs while the trainers build or load the model, not after
     import_vllm(world, rt.on_cpu)
     t_wait = time.perf_counter()
-    model_path = rt.wait_key("model/path")
+    model_path = rt.wait_key("model/path", model_wait_s(cfg))
     t0 += time.perf_counter() - t_wait  # ("engine up in": without the wait for the model)
     if world is None or not rt.on_cpu:
         return run_engine(rt, data, model_path, threads, t0, world)

@@ -7,7 +7,8 @@ On-policy loop of trainer rank r (of T), with E engines:
         batch = concat(channel[e -> r].get() for e in engines)      # whole groups, version = step
         reward.model_placement = trainer: batch.rewards += w_rm * RM(batch), the reward model
             FSDP2-sharded like the reference                          (trainer/reward_model.py)
-        policy_step(batch): advantages (GRPO, RLOO, ..., PPO's GAE with the critic), then
+        policy_step(batch): advantages (GRPO, RLOO, ..., PPO's GAE with the critic, the
+            teacher's per-token reverse KL: trainer/teacher.py), then
             algorithm.epochs x algorithm.mini_batches optimizer steps     (trainer/rl_step.py)
         WeightSender.publish(model)              # every rank sends its own shards
     save the final policy as a Hugging Face directory
@@ -47,11 +48,12 @@ from llamarl.timeline import Timeline
 from llamarl.trainer import checkpoint
 from llamarl.trainer.critic import build_critic
 from llamarl.trainer.metrics import MetricsLog
-from llamarl.trainer.policy import DTYPES, load_policy
+from llamarl.trainer.policy import DTYPES, load_frozen, load_policy
 from llamarl.trainer.reward_model import build_reward_model
 from llamarl.trainer.rl_step import policy_step
 from llamarl.trainer.step import PolicyTrainer
 from llamarl.trainer.stop import StopRequest
+from llamarl.trainer.teacher import load_teacher, resolve_teacher_path
 from llamarl.trainer.weight_members import EngineMembers, FileMembers
 
 TRAINER_BACKEND = {"cuda": "cpu:gloo,cuda:nccl", "cpu": "gloo"}
@@ -77,10 +79,7 @@ def load_reference(cfg, model_path: str, mesh, device: torch.device):
     mesh like the policy; None when algorithm.kl_coef is 0 (nothing is loaded)."""
     if cfg.algorithm.kl_coef == 0:
         return None
-    ref = load_policy(model_path, cfg.model.dtype, cfg.model.attn_implementation).to(device)
-    ref.requires_grad_(False)
-    ref.eval()
-    return apply_fsdp(ref, mesh, param_dtype=DTYPES[cfg.model.dtype])
+    return load_frozen(model_path, cfg, mesh, device)
 
 
 def open_weight_sender(rt: Runtime, model: torch.nn.Module) -> WeightSender:
@@ -148,6 +147,8 @@ def run_trainer(rt: Runtime) -> None:
     cfg, r, T = rt.cfg, rt.role.index, rt.layout.trainer_ranks
     mesh = init_trainer_group(rt)
     model_path = resolve_model_path(rt, mesh)
+    teacher_path = resolve_teacher_path(cfg.algorithm.teacher_path, r,
+                                        log=lambda m: log(rt, m) if r == 0 else None)
     if r == 0:
         rt.store.set("model/path", model_path)
     if r == 0 and not rt.resume:
@@ -162,6 +163,9 @@ def run_trainer(rt: Runtime) -> None:
     trainer = PolicyTrainer(model, cfg.trainer, opt_steps, T, rt.device,
                             cfg.generator.temperature, cfg.algorithm.entropy_coef > 0)
     reference = load_reference(cfg, model_path, mesh, rt.device)
+    teacher = load_teacher(cfg, teacher_path, tokenizer, model_path, mesh, rt.device)
+    if teacher is not None:
+        log(rt, f"teacher {teacher_path} sharded over {T} trainer rank(s)")
     critic = (build_critic(cfg, model_path, mesh, rt.device, opt_steps, T)
               if ALGORITHMS[cfg.algorithm.name].critic else None)
     reward_model = build_reward_model(cfg, tokenizer, mesh, rt.device)
@@ -221,7 +225,7 @@ def run_trainer(rt: Runtime) -> None:
         t0 = time.perf_counter()
         with timeline.phase("train", step):
             stats = policy_step(trainer, batch, cfg, tokenizer.pad_token_id, version, dropped,
-                                reference, critic)
+                                reference, critic, teacher)
         train_s = time.perf_counter() - t0
         dropped_total += int(stats["dropped"])
 
@@ -295,6 +299,8 @@ def run_trainer(rt: Runtime) -> None:
                             + rm_row.get("reward_model_s", 0.0))
         row.update(step_time_s=period, other_s=other_s, elapsed_s=now - run_t0)
         t_row = now
+        if teacher is not None:  # the per-token reverse KL to the teacher (algorithms/distill)
+            row["kl_teacher"] = stats["kl_teacher"] / n_tok
         if critic is not None:
             row.update(value_loss=stats["value_loss"], critic_grad_norm=stats["critic_grad_norm"],
                        value_mean=stats["value_sum"] / n_tok,

@@ -70,6 +70,8 @@ class MetricsLog:
         """One compact line: learning signal | where the step's time went | throughput."""
         tok_s = row["tokens_generated"] / max(row["generate_s"], 1e-9)
         kl_ref = f"kl_ref {row['kl_ref']:.1e} " if self.kl_ref else ""
+        if "kl_teacher" in row:  # on-policy distillation: the reverse KL to the teacher
+            kl_ref += f"kl_teacher {row['kl_teacher']:.3f} "
         if "value_loss" in row:  # PPO's critic
             kl_ref += f"vloss {row['value_loss']:.3f} "
         notes = ""  # only when something happened

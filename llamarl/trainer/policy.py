@@ -23,6 +23,20 @@ def load_policy(path: str, dtype: str, attn_implementation: str = "sdpa") -> tor
     return model
 
 
+def load_frozen(path: str, cfg, mesh, device: torch.device) -> torch.nn.Module:
+    """A frozen causal LM (the reference policy, a distillation teacher): no gradients, eval
+    mode, in model.dtype, FSDP2-sharded on the trainer `mesh` like the policy (None:
+    unsharded, one process)."""
+    from llamarl.parallel.fsdp import apply_fsdp
+
+    model = load_policy(path, cfg.model.dtype, cfg.model.attn_implementation).to(device)
+    model.requires_grad_(False)
+    model.eval()
+    if mesh is None:
+        return model
+    return apply_fsdp(model, mesh, param_dtype=DTYPES[cfg.model.dtype])
+
+
 @dataclass
 class PackedRows:
     """The sequences of a micro-batch laid end to end in one row of L tokens, for a forward

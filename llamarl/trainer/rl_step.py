@@ -8,7 +8,10 @@
        ppo: per-token rewards (outcome at the last token, -beta * KL_t on every token), the
            critic's values V_old, GAE -> A_t and returns R_t, A whitened over the global batch
            (algorithms/gae.py)
-       (the whole local batch is padded once; the reference's logprobs and the critic's
+       on_policy_distill: A_t = -distill_coef * (log pi_theta - log pi_teacher)_t
+           + reward_coef * A_i, per sampled token (algorithms/distill.py)
+       (the whole local batch is padded once; the reference's and the teacher's logprobs, the
+       policy's own before the update (the student's, for distillation) and the critic's
        values come from one no-grad pass over it and are attached to the padded batch)
     2. for each of algorithm.epochs passes, cut the batch into algorithm.mini_batches parts;
        for each part one optimizer step of the policy (policy_loss, + beta * KL in loss mode,
@@ -32,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from llamarl.algorithms.advantages import compute_advantages, equal_reward_groups
+from llamarl.algorithms.distill import distill_advantages
 from llamarl.algorithms.gae import gae, masked_whiten, reward_to_go, token_rewards, value_loss
 from llamarl.algorithms.kl import kl_estimate
 from llamarl.algorithms.policy_loss import aggregate, policy_loss
@@ -45,10 +49,11 @@ from llamarl.trainer.step import PolicyTrainer
 def policy_step(trainer: PolicyTrainer, batch: RolloutBatch | None, cfg, pad_id: int,
                 version: int = 0, filler: RolloutBatch | None = None,
                 reference: torch.nn.Module | None = None,
-                critic: PolicyTrainer | None = None) -> dict:
+                critic: PolicyTrainer | None = None,
+                teacher: torch.nn.Module | None = None) -> dict:
     """The whole update for one rollout batch (see the module docstring). `filler` holds the
-    samples dropped as stale (counted, and used only as masked filler). Returns stats summed
-    over the trainer ranks."""
+    samples dropped as stale (counted, and used only as masked filler); `teacher`: the
+    frozen teacher of on_policy_distill. Returns stats summed over the trainer ranks."""
     alg, mb = cfg.algorithm, MicroBatching.of(cfg, trainer.model)
     n = len(batch) if batch is not None else 0
     totals = _global_counts(batch, n, version, filler)
@@ -59,7 +64,8 @@ def policy_step(trainer: PolicyTrainer, batch: RolloutBatch | None, cfg, pad_id:
     # 1. advantages (and for PPO returns and old values) as fields of the padded batch
     rewards = batch.rewards.float() if n else torch.zeros(0)
     kl_reward = reference is not None and alg.kl_mode == "reward"
-    kl_sum = torch.zeros(())
+    kl_sum, kl_teacher_sum = torch.zeros(()), torch.zeros(())
+    assert (teacher is not None) == ALGORITHMS[alg.name].teacher, "a teacher iff distilling"
     gae_advantages = ALGORITHMS[alg.name].critic  # PPO: per-token advantages from the critic
     if not gae_advantages:
         gids = batch.group_ids if n else torch.zeros(0, dtype=torch.long)
@@ -68,12 +74,25 @@ def policy_step(trainer: PolicyTrainer, batch: RolloutBatch | None, cfg, pad_id:
                                      _all_reduce_sum)
         if full is not None:
             full.advantages = adv_seq
-    if reference is not None or critic is not None:
+    frozen = {name: m for name, m in (
+        ("ref", reference), ("teacher", teacher),
+        ("student", trainer.model if teacher is not None else None)) if m is not None}
+    if frozen or critic is not None:
         # no-grad forwards over the whole local batch once, [n, T-1]: the reference's logprobs
-        # (read by a KL loss on every pass, or turned into a KL reward) and the critic's values
-        ref_logp, v = _prepare(trainer, full, blank, mb, reference, critic)
+        # (read by a KL loss on every pass, or turned into a KL reward), the teacher's and the
+        # student's (distillation's advantages) and the critic's values
+        logps, v = no_grad_passes(full, blank, mb, frozen, trainer.device, trainer.temperature,
+                                  critic)
+        ref_logp = logps.get("ref")
         if full is not None:
             full.ref_logp = ref_logp
+    if teacher is not None:
+        m = full.mask if full is not None else torch.zeros(0, 1)
+        adv_tok, reverse_kl = distill_advantages(logps["student"], logps["teacher"], m,
+                                                 adv_seq, alg.distill_coef, alg.reward_coef)
+        kl_teacher_sum = reverse_kl.sum()
+        if full is not None:
+            full.advantages = adv_tok
     if gae_advantages or kl_reward:
         # GAE's backward recursion is one loop over T for all sequences
         m = full.mask if full is not None else torch.zeros(0, 1)
@@ -94,8 +113,9 @@ def policy_step(trainer: PolicyTrainer, batch: RolloutBatch | None, cfg, pad_id:
                                            _all_reduce_sum))
             if full is not None:
                 full.advantages, full.returns, full.old_values = adv, ret, v
-        elif full is not None:
-            full.advantages = adv_seq[:, None] - alg.kl_coef * reward_to_go(kl, m)
+        elif full is not None:  # (distillation's advantages are already per token)
+            base = full.advantages if teacher is not None else adv_seq[:, None]
+            full.advantages = base - alg.kl_coef * reward_to_go(kl, m)
 
     # 2. epochs x mini-batches of optimizer steps
     step_stats, critic_stats = [], []
@@ -124,6 +144,8 @@ def policy_step(trainer: PolicyTrainer, batch: RolloutBatch | None, cfg, pad_id:
                      value_err_sum=c["value_err_sum"])
     if kl_reward:
         stats["kl_ref"] = float(_all_reduce_sum(kl_sum))
+    if teacher is not None:  # the sum of d_t over the sampled tokens of every rank
+        stats["kl_teacher"] = float(_all_reduce_sum(kl_teacher_sum))
     real, computed, shared, micro = _all_reduce_sum(forward_tokens).tolist()
     stats["padding_share"] = 1.0 - real / max(computed, 1.0)
     stats["shared_prompts"] = shared / max(micro, 1.0)
@@ -281,28 +303,33 @@ def pack_bins(lens: list[int], budget: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
-def _prepare(trainer: PolicyTrainer, full: TokenBatch | None, blank: TokenBatch,
-             mb: MicroBatching, reference, critic: PolicyTrainer | None):
-    """No-grad forwards over the local batch in micro-batches, gathered into [n, T-1] on the
-    CPU: the reference's logprobs (or None) and the critic's values (or None)."""
+def no_grad_passes(full: TokenBatch | None, blank: TokenBatch, mb: MicroBatching,
+                   models: dict[str, torch.nn.Module], device: torch.device,
+                   temperature: float, critic: PolicyTrainer | None = None):
+    """No-grad forwards over the local batch in the update's micro-batches (padded, packed or
+    shared-prompt, with masked filler: collectives under FSDP2), gathered into [n, T-1] on
+    the CPU: {name: logprobs at the sampling temperature} of each model of `models` (the
+    reference, the teacher, the policy itself: in this order on every rank), and the
+    critic's values (or None). 0 where no token is scored."""
     n = full.input_ids.shape[0] if full is not None else 0
     shape = full.mask.shape if full is not None else (0, 1)
-    ref_all = torch.zeros(shape) if reference is not None else None
+    logps = {name: torch.zeros(shape) for name in models}
     v_all = torch.zeros(shape) if critic is not None else None
     with torch.no_grad():
         for rows, micro in _cut(full, torch.arange(n), blank, mb):
-            tbd = micro.to(trainer.device)
+            tbd = micro.to(device)
             width = tbd.mask.shape[1]
-            if reference is not None:
-                ref_logp, _ = token_logprobs(reference, tbd, trainer.temperature)
+            for name, model in models.items():
+                model.eval()  # (the policy's next step sets train() again)
+                lp, _ = token_logprobs(model, tbd, temperature)
                 if len(rows):
-                    ref_all[rows, :width] = ref_logp.cpu()
+                    logps[name][rows, :width] = lp.cpu()
             if critic is not None:
                 critic.model.eval()
                 v = critic_mod.values(critic.model, tbd).cpu()
                 if len(rows):
                     v_all[rows, :width] = v
-    return ref_all, v_all
+    return logps, v_all
 
 
 def _mini_batch(full: TokenBatch | None, idx: torch.Tensor, blank: TokenBatch,
