@@ -101,8 +101,12 @@ def test_shared_logprobs_equal_padded_ones(batch, chunk_mib):
         (logp * full.mask).sum().backward()
         if logp is lp:
             expect = {n: p.grad.clone() for n, p in model.named_parameters()}
+    # float32 sums of other shapes (the shared layout's rows) round differently per BLAS
+    # kernel: up to ~7e-7 of the gradient's scale on some CPUs (the tied embedding's 7.6e-6
+    # where its largest entry is 11.7), so the absolute tolerance follows each tensor's scale
     for n, p in model.named_parameters():
-        assert torch.allclose(p.grad, expect[n], rtol=1e-4, atol=1e-6), n
+        scale = max(1.0, float(expect[n].abs().max()))
+        assert torch.allclose(p.grad, expect[n], rtol=1e-4, atol=2e-6 * scale), n
 
 
 @ALGORITHMS
