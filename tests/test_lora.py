@@ -3,6 +3,9 @@ taking GRPO updates with a KL term to the reference (tests/dist/lora_policy_step
 the adapters learn, the reference is the base model exactly, the weight sync sends the merged
 weights, and a checkpoint resumes the update bit for bit."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import DIST, torchrun
@@ -11,6 +14,11 @@ from llamarl.config import load_config
 from llamarl.tiny.model import build_model
 from llamarl.trainer.lora import add_adapters, merged_state_dict
 from llamarl.trainer.policy import pad_rollouts, token_logprobs
+
+# as tests/dist/lora_policy_step.py
+STEP_CFG = ["trainer.micro_batch_size=3", "trainer.lr=1e-2", "trainer.ranks=2",
+            "trainer.share_prompts=false", "model.lora.rank=4", "model.lora.alpha=8",
+            "algorithm.kl_coef=0.1"]
 
 
 @pytest.mark.parametrize("override, key", [
@@ -58,9 +66,10 @@ def test_merged_weights_compute_what_the_adapted_model_computes():
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
+def two_ranks(tmp_path_factory, tiny_model_dir):
     out = tmp_path_factory.mktemp("lora") / "out.pt"
-    proc = torchrun(2, [str(DIST / "lora_policy_step.py")], timeout=300, OUT=out)
+    proc = torchrun(2, [str(DIST / "lora_policy_step.py")], timeout=300, OUT=out,
+                    MODEL_DIR=tiny_model_dir)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out, weights_only=False)
 
@@ -96,6 +105,71 @@ def test_weight_sync_sends_merged_weights_under_the_base_names(two_ranks):
 
 
 def test_checkpoint_holds_adapters_and_resumes_bitwise(two_ranks):
+    from torch.distributed.checkpoint import FileSystemReader
+
     r = two_ranks
+    saved = FileSystemReader(r["checkpoint"]).read_metadata().state_dict_metadata
+    model_keys = {k.split(".", 1)[1] for k in saved if k.startswith("model.")}
+    assert model_keys == set(r["adapters"]), "the checkpoint's model: the adapters only"
     for name, t in r["adapters_after"].items():
         assert torch.equal(r["resumed"][name], t), name
+
+
+def test_export_writes_a_peft_adapter_and_the_merged_model(two_ranks, tmp_path):
+    """llamarl.export of the LoRA checkpoint: the merged HF directory and the PEFT adapter
+    directory on the base load in transformers and agree (logprobs to float rounding, greedy
+    tokens exactly), and they hold the checkpoint's adapters (not the base model)."""
+    from peft import PeftModel
+    from test_buffer import make_batch
+    from transformers import AutoModelForCausalLM
+
+    from llamarl.export import export
+
+    out = export(two_ranks["checkpoint"], tmp_path / "export")
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    base_path = json.loads((Path(two_ranks["checkpoint"]) / "meta.json").read_text())[
+        "model_path"]
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32), str(out / "adapter"))
+    _, tok = build_model(seed=0)
+    batch = pad_rollouts(make_batch(3, 2, seed=9), tok.pad_token_id)
+    with torch.no_grad():
+        lp_merged = token_logprobs(merged, batch, 1.0)[0]
+        lp_adapted = token_logprobs(adapted, batch, 1.0)[0]
+        lp_base = token_logprobs(base, batch, 1.0)[0]
+        ids = torch.tensor([[tok.bos_token_id] + tok.encode("abcd=", add_special_tokens=False)])
+        greedy = [m.generate(ids, max_new_tokens=8, do_sample=False)[0].tolist()
+                  for m in (merged, adapted)]
+    assert (lp_merged - lp_adapted).abs().max() < 1e-5
+    assert (lp_merged - lp_base).abs().max() > 1e-3, "the adapters are in the export"
+    assert greedy[0] == greedy[1]
+    saved = {k.replace(".lora_A.weight", ".lora_A.default.weight")
+             .replace(".lora_B.weight", ".lora_B.default.weight"): v
+             for k, v in adapted.state_dict().items() if ".lora_" in k}
+    for name, t in two_ranks["adapters_1"].items():
+        assert torch.equal(saved["base_model.model." + name], t), name
+
+
+def test_two_ranks_take_the_update_of_one_process(two_ranks):
+    """The first update of tests/dist/lora_policy_step.py (two FSDP2 ranks, half the batch
+    each) is the update one unsharded process takes on the whole batch: FSDP2 reduces the
+    adapters' gradients beside the frozen weights as it does for a fully trained model."""
+    from test_buffer import make_batch
+
+    from llamarl.trainer.loop import load_reference
+    from llamarl.trainer.rl_step import policy_step
+    from llamarl.trainer.step import PolicyTrainer
+
+    cfg = load_config(None, STEP_CFG)
+    model, tok = build_model(seed=0)
+    add_adapters(model, cfg.model.lora, seed=cfg.run.seed)
+    trainer = PolicyTrainer(model, cfg.trainer, 2, 1, torch.device("cpu"))
+    reference = load_reference(cfg, "", None, torch.device("cpu"), policy=model)
+    stats = policy_step(trainer, make_batch(4, 4, seed=5), cfg, tok.pad_token_id,
+                        reference=reference)
+    assert stats["loss"] == pytest.approx(two_ranks["stats"]["loss"], abs=1e-5)
+    assert stats["grad_norm"] == pytest.approx(two_ranks["stats"]["grad_norm"], rel=1e-4)
+    for name, t in model.state_dict().items():
+        if ".lora_" in name:
+            assert torch.allclose(t, two_ranks["adapters_1"][name], atol=2e-5), name

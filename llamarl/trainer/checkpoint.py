@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from llamarl.errors import first_line
-from llamarl.trainer.lora import has_adapters
+from llamarl.trainer.lora import has_adapters, is_adapter
 
 PARTIAL = ".partial"
 TEST_PAUSE_ENV = "LLAMARL_TEST_CHECKPOINT_PAUSE_S"
@@ -120,6 +120,8 @@ def _options(model) -> StateDictOptions:
 
 def _state(model, optimizer, critic) -> dict:
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
+    if has_adapters(model):  # (a tied lm_head.weight is kept by ignore_frozen_params)
+        model_sd = {k: v for k, v in model_sd.items() if is_adapter(k)}
     state = {"model": model_sd, "optim": optim_sd}
     if critic is not None:
         state["critic"], state["critic_optim"] = get_state_dict(critic.model, critic.opt)

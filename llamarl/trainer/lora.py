@@ -182,3 +182,24 @@ def trainable_count(model: torch.nn.Module) -> tuple[int, int]:
     """(trainable, all) parameter counts of the full (unsharded) model."""
     params = list(model.parameters())
     return (sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params))
+
+
+def export_lora(lora: dict, base_path: str, adapters: dict[str, torch.Tensor]):
+    """A LoRA checkpoint's adapters (`lora`: its config as meta.json holds it; `adapters`:
+    their full tensors by the trainer's names) on the base model at `base_path`. Returns the
+    merged model's state dict (the base model's names, W + s B A: `merged_state_dict`) and
+    the PeftModel holding the adapters (its save_pretrained writes a PEFT adapter
+    directory)."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    peft_model = get_peft_model(base, peft_config(lora, base_path), adapter_name=ADAPTER)
+    own = {name for name in peft_model.state_dict() if is_adapter(name)}
+    given = {"base_model.model." + name: t for name, t in adapters.items() if is_adapter(name)}
+    if set(given) != own:
+        raise ValueError(f"the checkpoint's adapters do not fit {base_path} with model.lora "
+                         f"{lora}: {len(given)} adapter tensors for {len(own)}")
+    missing, unexpected = peft_model.load_state_dict(given, strict=False)
+    assert not unexpected and not (set(given) & set(missing)), unexpected
+    return merged_state_dict(peft_model.base_model.model), peft_model

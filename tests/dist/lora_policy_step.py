@@ -10,10 +10,13 @@ to $OUT:
   policy_logp         the adapted policy's logprobs of that batch
   merged_local        what the weight sender sends (merged W + s B A pieces, gathered)
   merged_full         lora.merged_state_dict (the exported policy's weights)
+  adapters_1          the adapters after the first update, and `checkpoint`, its checkpoint
+                      (meta.json names MODEL_DIR, the base: build_model(seed=0) saved)
   resumed             the second update again, from the checkpoint written after the first,
                       into a fresh model: its adapters (full), to compare with the first run's
 """
 
+import dataclasses
 import os
 import sys
 
@@ -64,7 +67,10 @@ if __name__ == "__main__":
     run = os.environ["OUT"] + ".run"
     # the reference's forward comes first (policy_step computes ref_logp before the update)
     stats = policy_step(trainer, batches[0], cfg, tok.pad_token_id, reference=reference)
-    checkpoint.save(run, 1, model, trainer.opt, trainer.sched, {"policy_version": 1}, keep=2)
+    checkpoint.save(run, 1, model, trainer.opt, trainer.sched, keep=2, meta={
+        "policy_version": 1, "model_path": os.environ["MODEL_DIR"], "dtype": "float32",
+        "lora": dataclasses.asdict(cfg.model.lora)})
+    adapters_1 = {k: v for k, v in full(model.state_dict()).items() if is_adapter(k)}
     policy_step(trainer, batches[1], cfg, tok.pad_token_id, reference=reference)
     out = {"stats": stats,
            "grads": sorted(n for n, p in model.named_parameters() if p.grad is not None),
@@ -108,6 +114,8 @@ if __name__ == "__main__":
     checkpoint.load(checkpoint.latest(run), model2, trainer2.opt, trainer2.sched)
     policy_step(trainer2, batches[1], cfg, tok.pad_token_id, reference=ref2)
     out["resumed"] = {k: v for k, v in full(model2.state_dict()).items() if is_adapter(k)}
+    out["adapters_1"] = adapters_1
+    out["checkpoint"] = str(checkpoint.latest(run))
     out["checkpoint_files"] = sorted(p.name for p in checkpoint.latest(run).iterdir())
     if rank == 0:
         torch.save(out, os.environ["OUT"])
