@@ -42,6 +42,24 @@ class RunConfig:
 
 
 @dataclass
+class LoraConfig:
+    """Low-rank adapters on the policy (PEFT's LoRA, llamarl/trainer/lora.py): each target
+    linear W [out, in] computes W x + (alpha / rank) * B A x with A [rank, in], B [out, rank];
+    only A and B are trained (and get optimizer state). rank 0 = off: full fine-tuning.
+    docs/trainer.md: LoRA."""
+
+    rank: int = 0  # 0 = no adapters
+    alpha: float = 32.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on the adapters' input, in training forwards
+    # The names (last component) of the linear layers that get adapters, in the decoder blocks
+    target_modules: list[str] = field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    # What the engines get: merged = W + (alpha / rank) B A as full weights, through the
+    # weight sync every recipe uses (tp > 1 resharding, continuous mode and engine loss alike)
+    sync: str = "merged"
+
+
+@dataclass
 class ModelConfig:
     # "tiny:<task>" builds the embedded tiny Qwen2 model (warm-started on first use, then cached);
     # anything else is a local Hugging Face directory.
@@ -54,6 +72,7 @@ class ModelConfig:
     # (GPU, flash-attn installed: packed micro-batches without cross-sequence compute) |
     # flex_attention. docs/trainer.md.
     attn_implementation: str = "sdpa"
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -518,6 +537,7 @@ def validate(cfg: Config) -> Config:
         _fail("algorithm.icepop_low/high", [cfg.algorithm.icepop_low, cfg.algorithm.icepop_high],
               "need 0 < icepop_low < 1 < icepop_high")
     _validate_reward(cfg)
+    _validate_lora(cfg)
     _validate_rollout(cfg)
     _validate_continuous(cfg)
     _validate_data(cfg.data)
@@ -534,6 +554,38 @@ def validate(cfg: Config) -> Config:
               f"must leave room for the prompt plus generator.max_new_tokens "
               f"({cfg.generator.max_new_tokens}); raise it")
     return cfg
+
+
+# The linear layers of the decoder blocks that may take adapters (Llama / Qwen2 / Mistral).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _validate_lora(cfg: Config) -> None:
+    lora = cfg.model.lora
+    if lora.rank < 0:
+        _fail("model.lora.rank", lora.rank, "must be >= 0 (0 = no adapters: full fine-tuning)")
+    if lora.rank == 0:
+        return
+    if not lora.alpha > 0:
+        _fail("model.lora.alpha", lora.alpha, "must be > 0 (the update is scaled by "
+              "alpha / rank)")
+    if not 0 <= lora.dropout < 1:
+        _fail("model.lora.dropout", lora.dropout, "must be in [0, 1)")
+    if not lora.target_modules:
+        _fail("model.lora.target_modules", lora.target_modules,
+              f"name at least one linear layer of the decoder blocks: {', '.join(LORA_TARGETS)}")
+    for name in lora.target_modules:
+        if name not in LORA_TARGETS:
+            _fail("model.lora.target_modules", name,
+                  f"adapters go on the decoder blocks' linear layers: use some of "
+                  f"{', '.join(LORA_TARGETS)} (embeddings and lm_head are not supported)")
+    if lora.sync != "merged":
+        _fail("model.lora.sync", lora.sync, "must be merged (the engines get W + (alpha / "
+              "rank) B A as full weights); adapter-only syncs are not built yet")
+    if cfg.algorithm.name == "ppo" and not cfg.critic.path:
+        _fail("model.lora.rank", lora.rank, "PPO's critic starts from the policy's weights "
+              "and would be fully fine-tuned beside a LoRA policy (no memory saved, not "
+              "tested): set model.lora.rank=0 for PPO, or use a critic-free algorithm")
 
 
 def _validate_continuous(cfg: Config) -> None:

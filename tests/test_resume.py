@@ -89,6 +89,37 @@ def test_resume_continues_exactly(tmp_path, cache_dir, straight_run):
     assert {f: (first / f).read_text() for f in files} == files
 
 
+def test_lora_resume_continues_exactly(tmp_path, cache_dir):
+    """A LoRA run (recipes/tiny_grpo_lora_cpu.yaml, KL to the adapters-off reference): 6
+    steps straight == 3 + resume + 3 (the same batches and rewards, the same merged final
+    policy), its checkpoints hold the adapters only, and the step-3 checkpoint exports as the
+    merged model plus a PEFT adapter directory."""
+    # constant: a cosine schedule spans run.steps, which the split run's first part sets to 3
+    recipe, const = "recipes/tiny_grpo_lora_cpu.yaml", "trainer.lr_schedule=constant"
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    launch(straight, cache_dir, "run.steps=6", const, recipe=recipe)
+    launch(split, cache_dir, "run.steps=3", const, recipe=recipe)
+    first = only_run(split)
+    step3 = first / "checkpoints" / "step_00000003"
+    assert json.loads((step3 / "meta.json").read_text())["lora"]["rank"] == 8
+    from llamarl.export import export
+    out = export(step3, tmp_path / "exported")
+    assert (out / "adapter" / "adapter_config.json").is_file()
+    assert not any("lora" in k for k in load_file(out / "model.safetensors"))
+    proc = launch(split, cache_dir, "run.steps=6", "run.resume=auto", const, recipe=recipe)
+    assert "resumed from" in proc.stderr and "step_00000003" in proc.stderr
+
+    a = [json.loads(x) for x in (only_run(straight) / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(x) for x in (first / "metrics.jsonl").read_text().splitlines()]
+    assert [r["batch_digest"] for r in a] == [r["batch_digest"] for r in b], "data order"
+    assert [round(r["reward_mean"], 6) for r in a] == [round(r["reward_mean"], 6) for r in b]
+    assert [round(r["kl_ref"], 6) for r in a] == [round(r["kl_ref"], 6) for r in b]
+    assert a[-1]["kl_ref"] > 0, "the reference (adapters off) differs from the policy"
+    wa = load_file(only_run(straight) / "policy" / "model.safetensors")
+    wb = load_file(first / "policy" / "model.safetensors")
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= TOLERANCE
+
+
 def test_ppo_resume_restores_the_critic(tmp_path, cache_dir):
     """PPO's checkpoint carries the critic, its optimizer and schedule: 4 steps straight ==
     resume from the straight run's step-2 checkpoint + 2, for the policy's weights and the

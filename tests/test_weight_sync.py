@@ -9,8 +9,10 @@ from conftest import DIST, torchrun
 
 
 @pytest.mark.parametrize("tp,engines,broadcast", [(1, 1, False), (2, 1, False),
-                                                   (1, 2, True), (2, 1, True), (1, 2, "pairs")],
-                         ids=["tp1", "tp2", "nccl-shaped-2x2", "nccl-shaped-tp2", "pairs-2x2"])
+                                                   (1, 2, True), (2, 1, True), (1, 2, "pairs"),
+                                                   (2, 1, "lora")],
+                         ids=["tp1", "tp2", "nccl-shaped-2x2", "nccl-shaped-tp2", "pairs-2x2",
+                              "lora-merged-tp2"])
 def test_weight_broadcast_parity_with_fsdp2_trainers(tmp_path, tiny_model_dir, tp, engines,
                                                      broadcast):
     """tp = 2: one engine of two ranks (generator/tp.py), each loading half of every layer;
@@ -19,10 +21,14 @@ def test_weight_broadcast_parity_with_fsdp2_trainers(tmp_path, tiny_model_dir, t
     nccl-shaped: the paths NCCL takes, on gloo (LLAMARL_GLOO_BROADCAST=1): every bucket a
     broadcast, each engine receiving sender by sender; 2 trainer ranks to 2 engines, and the
     per-tp-rank broadcast groups of a resharded tp 2 engine (built only for NCCL otherwise).
-    pairs: one group per trainer rank and engine (sync.weight_groups), point to point."""
+    pairs: one group per trainer rank and engine (sync.weight_groups), point to point.
+    lora: a LoRA policy (model.lora) whose merged weights W + s B A go to a tp 2 engine,
+    resharded from the second sync on, as the base model's would."""
     out = tmp_path / "parity.json"
     segments = set(Path("/dev/shm").glob("llamarl_*"))
+    lora = "model.lora.rank=4 trainer.lr=3e-2"  # adapters only: a larger step
     env = ({"OVERRIDES": "sync.weight_groups=pairs"} if broadcast == "pairs" else
+           {"OVERRIDES": lora} if broadcast == "lora" else
            {"LLAMARL_GLOO_BROADCAST": "1"} if broadcast else {})
     proc = torchrun(2 + engines * tp, [str(DIST / "weight_sync_parity.py")], timeout=600,
                     OUT=out, MODEL_DIR=tiny_model_dir, RUNS=tmp_path / "runs", TP=tp,
@@ -48,7 +54,10 @@ def test_weight_broadcast_parity_with_fsdp2_trainers(tmp_path, tiny_model_dir, t
     else:  # the second sync sent this tp rank its half of most tensors (norms whole)
         assert r["in_place"] == 0, "resharded blocks go to the receive buffers first"
         assert 0.5 * r["bytes_full"] <= r["bytes_resharded"] < 0.6 * r["bytes_full"], r
-    assert 0 < r["sent_as_is"] < r["buckets"], "some sent from the parameters, some packed"
+    if broadcast == "lora":  # merged pieces are made each sync: always packed
+        assert r["sent_as_is"] < r["buckets"], r
+    else:
+        assert 0 < r["sent_as_is"] < r["buckets"], "some sent from the parameters, some packed"
     assert r["checksum_after_2"] != r["checksum_after"], "the replayed sync changes the weights"
     # the tiny model: 4 query heads + 2 x 2 key/value heads of 32 = 256 rows, split over tp
     assert r["qkv_rows"] == 256 // tp, r

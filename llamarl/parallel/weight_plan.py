@@ -128,13 +128,19 @@ def persistent_buffer_names(model: torch.nn.Module) -> set[str]:
 
 def model_tensors(model: torch.nn.Module,
                   buffers: set[str] | None = None) -> dict[str, torch.Tensor]:
-    """Parameters (tied ones once) and persistent buffers, by their checkpoint names."""
-    out = dict(model.named_parameters())
+    """Parameters (tied ones once) and persistent buffers, by their checkpoint names: the
+    tensors the engines load. A LoRA policy's (trainer/lora.py) go by the base model's names
+    and without the adapters: `...q_proj.base_layer.weight` as `...q_proj.weight`, whose
+    value on the wire is the merged W + s B A (WeightSender reads it from lora.merged_shard;
+    same shape and rows as W)."""
+    from llamarl.trainer.lora import engine_name, is_adapter
+
+    out = {engine_name(n): p for n, p in model.named_parameters() if not is_adapter(n)}
     if buffers is None:
         buffers = persistent_buffer_names(model)
     for name, buf in model.named_buffers():
         if name in buffers:
-            out[name] = buf
+            out[engine_name(name)] = buf
     return out
 
 

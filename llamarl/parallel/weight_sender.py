@@ -31,6 +31,7 @@ from llamarl.parallel.weight_plan import (
     slice_plan,
     solo_bytes_of,
 )
+from llamarl.trainer.lora import engine_name, merged_layers, merged_shard
 
 
 class WeightSender:
@@ -81,12 +82,20 @@ class WeightSender:
         # resolved once: walking the module tree per sync cost ~0.5 ms for the tiny model.
         self._model = model
         tensors = model_tensors(model, self.buffers)
-        self._sources = [(name, *_owner(model, name), _kind(t)) for name, t in tensors.items()]
+        # A LoRA policy's adapted linears (trainer/lora.py) are sent merged, W + s B A,
+        # computed from this rank's rows every sync: kind "merged", its LoRA layer as source.
+        merged = merged_layers(model)
+        origin = {engine_name(n): n for n, _ in model.named_parameters()}
+        origin.update((engine_name(n), n) for n, _ in model.named_buffers())
+        self._sources = [(name, merged[name], None, "merged") if name in merged else
+                         (name, *_owner(model, origin[name]), _kind(t))
+                         for name, t in tensors.items()]
+        self._alive: dict[str, torch.Tensor] = {}  # the sync in flight's merged pieces
         # Buckets sent straight from their one tensor (not a replicated one: that is gathered
         # anew every sync) get no buffer (None) and no slots.
         own = {}
         for name, _, _, kind in self._sources:
-            if kind != "replicated":
+            if kind in ("shard", "plain"):
                 own[name] = tensors[name].to_local() if kind == "shard" else tensors[name]
         self.direct = [len(b.entries) == 1
                        and _sendable_as_is(own.get(b.entries[0][0].name), b, device)
@@ -100,6 +109,8 @@ class WeightSender:
         self._shapes = [[slot.shape for _, slot in slots] for slots in self._slots]
         # FSDP2 shards that already are in the wire dtype move into their slots for good
         # (fsdp.place_shards): the parameter is the send buffer, and packing skips them.
+        # (A LoRA layer's W is `...base_layer.weight` there: never placed in the slot of
+        # its merged piece, which packing overwrites.)
         self.placed = place_shards(model, {name: slot for slots in self._slots
                                            for name, slot in slots})
         self._works: list[tuple[int, Work]] = []  # (receiver, or -1: all) awaited by wait
@@ -118,6 +129,9 @@ class WeightSender:
             # Read from the module's own dict: FSDP2 registers the sharded parameter there
             # again after every forward and backward, and Module.__getattr__ costs ~1.5 us
             # a tensor (a third of this loop's time for the tiny model).
+            if kind == "merged":  # a collective (A is gathered): same order on every rank
+                out[name] = merged_shard(registry)
+                continue
             t = registry[key]
             if kind == "shard":
                 # The shard itself. DTensor.to_local() returns it too, but as a fresh view
@@ -147,6 +161,9 @@ class WeightSender:
         works = []
         with torch.no_grad():
             local = self._local_tensors()
+            # merged pieces are made for this sync: kept until it is sent (a resharded
+            # sync may send a block straight from one)
+            self._alive = local
             routes = self._routes(local)
             whole = [to for to, sliced in routes if sliced is None]  # who gets the full plan
             self.transport.begin()
@@ -325,6 +342,7 @@ class WeightSender:
         """Block until the sync in flight (if any) has been sent."""
         works, self._works = self._works, []
         sent, self._sent = self._sent, None
+        alive = self._alive  # noqa: F841 - freed when the sends below are done
         lost = self.transport.lost() if works and self.transport is not None else set()
         failed: list[tuple[int, BaseException]] = []
         for dst, w in works:  # (dst -1: a broadcast to every receiver)
@@ -344,6 +362,7 @@ class WeightSender:
         if self.transport is not None:  # sends that failed when posted (transport.send)
             failures, self.transport.failures = failures + self.transport.failures, []
         self._settle(failures)
+        self._alive = {}
 
 
 

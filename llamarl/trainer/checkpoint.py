@@ -4,7 +4,8 @@ Layout, under RUN_DIR/checkpoints/:
 
     step_00000006/              complete: the only form `latest()` ever returns
       .metadata, __*_*.distcp   DCP shards of {"model", "optim"} (+ {"critic", "critic_optim"}
-                                for PPO), written by every trainer rank
+                                for PPO), written by every trainer rank; a LoRA policy's
+                                "model" holds its adapters only (model.lora in meta.json)
       rng_rank<r>.pt            each trainer rank's torch RNG state
       meta.json                 step, policy version, LR schedule, each engine's prompt-loader
                                 state after the last batch trained on, the base model directory
@@ -36,9 +37,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
 from llamarl.errors import first_line
+from llamarl.trainer.lora import has_adapters, is_adapter
 
 PARTIAL = ".partial"
 TEST_PAUSE_ENV = "LLAMARL_TEST_CHECKPOINT_PAUSE_S"
@@ -103,8 +109,19 @@ def save(run_dir: Path, step: int, model, optimizer, scheduler, meta: dict, keep
     return final
 
 
+def _options(model) -> StateDictOptions:
+    """A LoRA policy's checkpoint holds its adapters and their optimizer state, not the frozen
+    base weights (they are reloaded from model.path): its state dict leaves out frozen
+    parameters, and loading it leaves them as they are (strict=False; dcp.load still fails
+    on an adapter the checkpoint lacks)."""
+    lora = has_adapters(model)
+    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
+
+
 def _state(model, optimizer, critic) -> dict:
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
+    if has_adapters(model):  # (a tied lm_head.weight is kept by ignore_frozen_params)
+        model_sd = {k: v for k, v in model_sd.items() if is_adapter(k)}
     state = {"model": model_sd, "optim": optim_sd}
     if critic is not None:
         state["critic"], state["critic_optim"] = get_state_dict(critic.model, critic.opt)
@@ -133,7 +150,7 @@ def load(path: Path, model, optimizer, scheduler, critic=None) -> dict:
         dcp.load(state, checkpoint_id=str(path))
     with _kernel_kept(optimizer):
         set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+                       optim_state_dict=state["optim"], options=_options(model))
     scheduler.load_state_dict(meta["scheduler"])
     if critic is not None:
         with _kernel_kept(critic.opt):

@@ -16,6 +16,7 @@ On-policy loop of trainer rank r (of T), with E engines:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
@@ -47,6 +48,13 @@ from llamarl.rollout.source import rollout_metrics
 from llamarl.timeline import Timeline
 from llamarl.trainer import checkpoint
 from llamarl.trainer.critic import build_critic
+from llamarl.trainer.lora import (
+    AdaptersOff,
+    add_adapters,
+    has_adapters,
+    merged_state_dict,
+    trainable_count,
+)
 from llamarl.trainer.metrics import MetricsLog
 from llamarl.trainer.policy import DTYPES, load_frozen, load_policy
 from llamarl.trainer.reward_model import build_reward_model
@@ -74,11 +82,17 @@ def init_trainer_group(rt: Runtime):
     return init_device_mesh(rt.device.type, (rt.layout.trainer_ranks,))
 
 
-def load_reference(cfg, model_path: str, mesh, device: torch.device):
+def load_reference(cfg, model_path: str, mesh, device: torch.device,
+                   policy: torch.nn.Module | None = None):
     """The frozen reference policy (the starting checkpoint), FSDP2-sharded on the trainer
-    mesh like the policy; None when algorithm.kl_coef is 0 (nothing is loaded)."""
+    mesh like the policy; None when algorithm.kl_coef is 0 (nothing is loaded). A LoRA
+    policy (model.lora) is its own reference: the same module with its adapters off
+    (lora.AdaptersOff), no second copy of the weights."""
     if cfg.algorithm.kl_coef == 0:
         return None
+    if cfg.model.lora.rank:
+        assert policy is not None and has_adapters(policy), "a LoRA run passes its policy"
+        return AdaptersOff(policy)
     return load_frozen(model_path, cfg, mesh, device)
 
 
@@ -155,6 +169,11 @@ def run_trainer(rt: Runtime) -> None:
         write_run_files(rt, model_path, recipe=False)  # setup wrote recipe.yaml
     model = load_policy(model_path, cfg.trainer.master_dtype,
                         cfg.model.attn_implementation).to(rt.device)
+    if cfg.model.lora.rank:  # before sharding: adapters are sharded like every parameter
+        add_adapters(model, cfg.model.lora, cfg.run.seed)
+        trained, total = trainable_count(model)
+        log(rt, f"LoRA rank {cfg.model.lora.rank} on {', '.join(cfg.model.lora.target_modules)}"
+                f": {trained} of {total} parameters trained ({100 * trained / total:.2f}%)")
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     check_tokenizer(tokenizer, model_path)
@@ -162,7 +181,7 @@ def run_trainer(rt: Runtime) -> None:
     opt_steps = cfg.run.steps * cfg.algorithm.epochs * cfg.algorithm.mini_batches
     trainer = PolicyTrainer(model, cfg.trainer, opt_steps, T, rt.device,
                             cfg.generator.temperature, cfg.algorithm.entropy_coef > 0)
-    reference = load_reference(cfg, model_path, mesh, rt.device)
+    reference = load_reference(cfg, model_path, mesh, rt.device, policy=model)
     teacher = load_teacher(cfg, teacher_path, tokenizer, model_path, mesh, rt.device)
     if teacher is not None:
         log(rt, f"teacher {teacher_path} sharded over {T} trainer rank(s)")
@@ -200,6 +219,8 @@ def run_trainer(rt: Runtime) -> None:
         if r == 0:  # only now: a resume that fails leaves the run's files as they were
             write_run_files(rt, model_path)
         sender.publish(model, version)  # generators continue from the restored policy
+    # a LoRA checkpoint holds the adapters only: export needs their config
+    lora_meta = ({"lora": dataclasses.asdict(cfg.model.lora)} if cfg.model.lora.rank else {})
     run_t0 = time.perf_counter()
     # step_time_s is the period from one step's row to the next: the parts below plus the
     # trainer's own work between them (writing the row, logging, TensorBoard), so that the
@@ -250,7 +271,7 @@ def run_trainer(rt: Runtime) -> None:
                                 cfg.run.keep_checkpoints, critic=critic, meta={
                                     "policy_version": version, "model_path": model_path,
                                     "dtype": cfg.model.dtype,
-                                    "data_state": data_state})
+                                    "data_state": data_state, **lora_meta})
         checkpoint_s = time.perf_counter() - t0 if checkpointed else 0.0
 
         by_engine = {int(p.generator[0]): int(p.policy_version.min()) for p in parts if len(p)}
@@ -340,13 +361,16 @@ def drop_stale(batch: RolloutBatch, version: int, max_staleness: int):
 def save_policy(model: torch.nn.Module, src_dir: str, out_dir: Path, writer: bool,
                 dtype: torch.dtype) -> None:
     """Gather the full weights (collective) and write a HF directory loadable by transformers
-    and vLLM (safetensors + config + tokenizer), in the compute dtype `dtype`."""
+    and vLLM (safetensors + config + tokenizer), in the compute dtype `dtype`; a LoRA
+    policy's with its adapters merged (W + s B A)."""
     from transformers import AutoConfig, AutoTokenizer
 
     from llamarl.tiny.model import save_hf_dir
 
-    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().to(dtype)
-             for k, v in model.state_dict().items()}
+    full = (merged_state_dict(model) if has_adapters(model) else
+            {k: (v.full_tensor() if hasattr(v, "full_tensor") else v)
+             for k, v in model.state_dict().items()})
+    state = {k: v.detach().cpu().to(dtype) for k, v in full.items()}
     if writer:
         config = AutoConfig.from_pretrained(src_dir)
         config.dtype = dtype

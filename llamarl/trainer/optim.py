@@ -10,9 +10,10 @@ from llamarl.config import TrainerConfig
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainerConfig, total_steps: int):
-    """AdamW over `model` and its LambdaLR schedule: the fused kernel on a GPU (one launch for
-    all parameters), the multi-tensor one elsewhere."""
-    params = list(model.parameters())
+    """AdamW over `model`'s trainable parameters (all of them, or a LoRA policy's adapters:
+    frozen ones get no optimizer state) and its LambdaLR schedule: the fused kernel on a GPU
+    (one launch for all parameters), the multi-tensor one elsewhere."""
+    params = [p for p in model.parameters() if p.requires_grad]
     cuda = bool(params) and all(p.device.type == "cuda" for p in params)
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas),
                             weight_decay=cfg.weight_decay,

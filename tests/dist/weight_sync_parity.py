@@ -5,7 +5,9 @@ generator compares its engine with the trainer's model before and after each syn
 the findings to $OUT (JSON). The first sync goes through vLLM's load_weights (and records it),
 the second replays the recorded copies straight from the receive buffers. With TP = 2 the
 engine's leader makes the comparisons while its other rank follows its calls (generator/tp.py):
-the engine's outputs need both ranks' shards, so they check every rank's weights."""
+the engine's outputs need both ranks' shards, so they check every rank's weights. With
+OVERRIDES model.lora.rank=N the policy is a LoRA one (trainer/lora.py): only its adapters
+train, and the engine gets the merged weights W + s B A under the base model's names."""
 
 import json
 import os
@@ -25,16 +27,21 @@ PROMPTS = ["abc=", "hello=", "kjf=", "aaab=", "lkji=", "bca=", "hello world " * 
 
 
 def trainer(rt, model_dir):
+    from transformers import AutoTokenizer
+
     from llamarl.parallel.fsdp import apply_fsdp
     from llamarl.tiny.warmstart import sft_batches
     from llamarl.trainer.loop import init_trainer_group, open_weight_sender
+    from llamarl.trainer.lora import add_adapters, merged_state_dict
     from llamarl.trainer.policy import load_policy
     from llamarl.trainer.step import PolicyTrainer
-    from transformers import AutoTokenizer
 
     mesh = init_trainer_group(rt)
     model = load_policy(model_dir, "float32")
     tok = AutoTokenizer.from_pretrained(model_dir)
+    lora = rt.cfg.model.lora.rank > 0  # LoRA: only the adapters train; sent merged
+    if lora:
+        add_adapters(model, rt.cfg.model.lora, seed=0)
     apply_fsdp(model, mesh, torch.float32)
     sender = open_weight_sender(rt, model)  # each trainer rank sends its own shards
     rt.wait_key("gen/before_done")
@@ -45,7 +52,8 @@ def trainer(rt, model_dir):
             n = float(sum(mb.mask.sum() for mb in mbs)) * 2
             pt.step(mbs, lambda logp, mb, _ent: (-(logp * mb.mask).sum() / n, {}))
         sender.send(model)
-        state = {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
+        state = (merged_state_dict(model) if lora else  # the base model's names
+                 {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()})
         if rt.role.index == 0:
             torch.save(state, os.environ["OUT"] + f".{sync}.pt")
             rt.store.set(f"trainer/saved/{sync}", "1")

@@ -1,0 +1,205 @@
+"""LoRA on the policy (PEFT): adapters injected into the Hugging Face model in place, the
+reference policy as the same module with its adapters off, and the merged weights that the
+engines and the exported policy get (model.lora, docs/trainer.md: LoRA).
+
+Each target linear layer keeps its weight W [out, in] frozen and adds a low-rank update:
+
+    y = W x + s * B (A drop(x)),   A [r, in], B [out, r], s = alpha / r
+
+PEFT initialises A (Kaiming-uniform) and B = 0, so the policy starts as the base model. The
+adapters are injected before FSDP2 shards the model (`add_adapters`), so every parameter, base
+or adapter, is sharded along dim 0 like any other; only A and B require gradients, and only
+they get optimizer state (trainer/optim.py takes the trainable parameters). Names change:
+`...q_proj.weight` becomes `...q_proj.base_layer.weight`, beside
+`...q_proj.lora_A.default.weight` and `...q_proj.lora_B.default.weight`.
+
+The engines run the base architecture, so they get the merged weight under the base name
+(`engine_name`):
+
+    W' = W + s * B @ A                     [out, in]
+
+and since FSDP2 shards W and B by the same rows (dim 0 of equal size, split like torch.chunk),
+trainer rank k computes its rows of W' from what it holds and A whole (r x in, small):
+
+    W'[rows_k] = W[rows_k] + s * B[rows_k] @ A          (`merged_shard`)
+
+so the weight sync keeps the layout of the base weights: same metas, same buckets, same bytes.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+ADAPTER = "default"  # PEFT's adapter name
+
+
+def add_adapters(model: torch.nn.Module, lora, seed: int) -> torch.nn.Module:
+    """Inject LoRA adapters (`lora`: config.LoraConfig) into `model` in place, before FSDP2,
+    and freeze everything else. A's initialisation draws from its own generator seeded with
+    `seed`, so every trainer rank starts from the same adapters (FSDP2 shards each rank's
+    copy as if they were equal) and the global RNG stream is left as it was."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import inject_adapter_in_model
+
+    config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                            target_modules=list(lora.target_modules), bias="none")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_adapter(name))
+    for layer in lora_layers(model):
+        if not isinstance(layer.base_layer, torch.nn.Linear):
+            raise ValueError(f"model.lora.target_modules: {type(layer.base_layer).__name__} "
+                             "layers are not supported: target the decoder's linear layers")
+    return model
+
+
+def peft_config(lora, base_model_path: str = ""):
+    """PEFT's LoraConfig for a config.LoraConfig (or its dict in a checkpoint's meta.json)."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    get = lora.get if isinstance(lora, dict) else lambda k: getattr(lora, k)
+    return PeftLoraConfig(r=get("rank"), lora_alpha=get("alpha"), lora_dropout=get("dropout"),
+                          target_modules=list(get("target_modules")), bias="none",
+                          base_model_name_or_path=base_model_path or None)
+
+
+def lora_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The PEFT LoRA layers of `model`, in module order (empty: no adapters)."""
+    from peft.tuners.lora import LoraLayer
+
+    return [m for m in model.modules() if isinstance(m, LoraLayer)]
+
+
+def has_adapters(model) -> bool:
+    return bool(lora_layers(model))
+
+
+def is_adapter(name: str) -> bool:
+    """Whether parameter `name` is a LoRA adapter matrix (A or B)."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def engine_name(name: str) -> str:
+    """The base model's name of a tensor of the adapted model: `.base_layer` dropped."""
+    return name.replace(".base_layer.", ".")
+
+
+@contextmanager
+def adapters_off(model: torch.nn.Module):
+    """Run `model` as the base model: every LoRA layer computes W x alone (the flag that
+    PEFT's forward reads, BaseTunerLayer.disable_adapters). Not PEFT's switch,
+    enable_adapters(False) / PeftModel.disable_adapter: it also sets requires_grad of the
+    adapter parameters registered at that moment, and under FSDP2 a block that keeps its
+    gathered parameters after forward (the last one) has its unsharded ones registered.
+    Seen with it: after a reference forward, a checkpoint left out the last block's adapters
+    as frozen (tests/test_lora.py runs the reference before the update, then resumes)."""
+    layers = lora_layers(model)
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            layer._disable_adapters = False
+
+
+class AdaptersOff:
+    """The reference policy of a LoRA run: the policy module itself with its adapters off
+    (the base model, no second copy of the weights). Called like the model; everything else
+    (config, get_output_embeddings, ...) is the policy's."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        with adapters_off(self.model):
+            return self.model(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def merged_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Engine weight name (`...q_proj.weight`) -> its LoRA layer, for every adapted linear."""
+    names = {id(m): n for n, m in model.named_modules()}
+    return {f"{names[id(layer)]}.weight": layer for layer in lora_layers(model)}
+
+
+def merged_shard(layer: torch.nn.Module) -> torch.Tensor:
+    """This trainer rank's rows of W' = W + s * B @ A for one LoRA layer, [rows, in] in the
+    master dtype: W[rows] + s * B[rows] @ A, A gathered whole (a collective over the trainer
+    ranks: every rank calls this for the same layers in the same order). Without FSDP2 the
+    whole W'."""
+    w = layer.base_layer.weight
+    a = _full(layer.lora_A[ADAPTER].weight).detach()
+    b = _local(layer.lora_B[ADAPTER].weight).detach()
+    w_local = _local(w).detach()
+    assert b.shape[0] == w_local.shape[0], "FSDP2 splits W and B by the same rows"
+    return torch.addmm(w_local, b.to(w_local.dtype), a.to(w_local.dtype),
+                       alpha=layer.scaling[ADAPTER])
+
+
+def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The full weights of the adapted model as the base model's state dict: W' = W + s B A
+    for every adapted linear, the adapters left out, names without `.base_layer` (a
+    collective: gathers every tensor on every trainer rank)."""
+    layers = {f"{n}.base_layer.weight": layer for n, layer in
+              ((n[: -len(".weight")], layer) for n, layer in merged_layers(model).items())}
+    out = {}
+    for name, t in model.state_dict().items():
+        if is_adapter(name):
+            continue
+        full = _full(t).detach()
+        layer = layers.get(name)
+        if layer is not None:
+            a = _full(layer.lora_A[ADAPTER].weight).detach().to(full.dtype)
+            b = _full(layer.lora_B[ADAPTER].weight).detach().to(full.dtype)
+            full = torch.addmm(full, b, a, alpha=layer.scaling[ADAPTER])
+        out[engine_name(name)] = full
+    return out
+
+
+def adapter_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters' full tensors in PEFT's saved form (`base_model.model.<name>` without the
+    adapter name), as `save_pretrained` writes them (a collective)."""
+    return {"base_model.model." + name.replace(f".{ADAPTER}.", "."): _full(t).detach()
+            for name, t in model.state_dict().items() if is_adapter(name)}
+
+
+def trainable_count(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, all) parameter counts of the full (unsharded) model."""
+    params = list(model.parameters())
+    return (sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params))
+
+
+def export_lora(lora: dict, base_path: str, adapters: dict[str, torch.Tensor]):
+    """A LoRA checkpoint's adapters (`lora`: its config as meta.json holds it; `adapters`:
+    their full tensors by the trainer's names) on the base model at `base_path`. Returns the
+    merged model's state dict (the base model's names, W + s B A: `merged_state_dict`) and
+    the PeftModel holding the adapters (its save_pretrained writes a PEFT adapter
+    directory)."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    peft_model = get_peft_model(base, peft_config(lora, base_path), adapter_name=ADAPTER)
+    own = {name for name in peft_model.state_dict() if is_adapter(name)}
+    given = {"base_model.model." + name: t for name, t in adapters.items() if is_adapter(name)}
+    if set(given) != own:
+        raise ValueError(f"the checkpoint's adapters do not fit {base_path} with model.lora "
+                         f"{lora}: {len(given)} adapter tensors for {len(own)}")
+    missing, unexpected = peft_model.load_state_dict(given, strict=False)
+    assert not unexpected and not (set(given) & set(missing)), unexpected
+    return merged_state_dict(peft_model.base_model.model), peft_model

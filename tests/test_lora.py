@@ -1,0 +1,175 @@
+"""LoRA (model.lora, llamarl/trainer/lora.py): the recipe keys, and two FSDP2 gloo ranks
+taking GRPO updates with a KL term to the reference (tests/dist/lora_policy_step.py): only
+the adapters learn, the reference is the base model exactly, the weight sync sends the merged
+weights, and a checkpoint resumes the update bit for bit."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import DIST, torchrun
+
+from llamarl.config import load_config
+from llamarl.tiny.model import build_model
+from llamarl.trainer.lora import add_adapters, merged_state_dict
+from llamarl.trainer.policy import pad_rollouts, token_logprobs
+
+# as tests/dist/lora_policy_step.py
+STEP_CFG = ["trainer.micro_batch_size=3", "trainer.lr=1e-2", "trainer.ranks=2",
+            "trainer.share_prompts=false", "model.lora.rank=4", "model.lora.alpha=8",
+            "algorithm.kl_coef=0.1"]
+
+
+@pytest.mark.parametrize("override, key", [
+    ("model.lora.rank=-1", "model.lora.rank"),
+    ("model.lora.alpha=0", "model.lora.alpha"),
+    ("model.lora.dropout=1.0", "model.lora.dropout"),
+    ("model.lora.target_modules=[lm_head]", "model.lora.target_modules"),
+    ("model.lora.target_modules=[]", "model.lora.target_modules"),
+    ("model.lora.sync=adapters", "model.lora.sync"),
+    ("algorithm.name=ppo", "model.lora.rank"),
+])
+def test_bad_lora_keys_are_one_line_errors(override, key):
+    with pytest.raises(ValueError, match=f"recipe key '{key}'") as e:
+        load_config(None, ["model.lora.rank=8", override])
+    assert "\n" not in str(e.value)
+
+
+def test_lora_is_off_by_default_and_ignored_when_off():
+    cfg = load_config(None, ["model.lora.sync=adapters"])  # rank 0: nothing is checked
+    assert cfg.model.lora.rank == 0
+
+
+def test_merged_weights_compute_what_the_adapted_model_computes():
+    """The base model loaded with lora.merged_state_dict gives the adapted model's logprobs
+    (W x + s B A x against (W + s B A) x: float rounding), in one process without FSDP2."""
+    from test_buffer import make_batch
+
+    cfg = load_config(None, ["model.lora.rank=4"])
+    model, tok = build_model(seed=0)
+    add_adapters(model, cfg.model.lora, seed=0)
+    with torch.no_grad():  # B = 0 at the start: make the adapters do something
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.05)
+    merged = merged_state_dict(model)
+    base, _ = build_model(seed=1)
+    assert base.load_state_dict(merged, strict=True)
+    batch = pad_rollouts(make_batch(3, 2, seed=9), tok.pad_token_id)
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, batch, 1.0)
+        lp_merged, _ = token_logprobs(base, batch, 1.0)
+        lp_plain, _ = token_logprobs(build_model(seed=0)[0], batch, 1.0)
+    assert (lp - lp_merged).abs().max() < 1e-5
+    assert (lp - lp_plain).abs().max() > 1e-3, "the adapters must change the model"
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, tiny_model_dir):
+    out = tmp_path_factory.mktemp("lora") / "out.pt"
+    proc = torchrun(2, [str(DIST / "lora_policy_step.py")], timeout=300, OUT=out,
+                    MODEL_DIR=tiny_model_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out, weights_only=False)
+
+
+def test_only_the_adapters_learn(two_ranks):
+    r = two_ranks
+    assert r["grads"] == r["adapters"] and r["adapters"], "gradients: adapters only"
+    assert r["opt_params"] == len(r["adapters"]) == r["opt_state"], "optimizer: adapters only"
+    for name, before in r["base_before"].items():
+        assert torch.equal(r["base_after"][name], before), name  # the base, bit for bit
+    b = [v for k, v in r["adapters_after"].items() if ".lora_B." in k]
+    assert max(t.abs().max().item() for t in b) > 1e-3, "B starts at 0 and must move"
+
+
+def test_reference_is_the_base_model_exactly(two_ranks):
+    r = two_ranks
+    assert torch.equal(r["ref_logp"], r["base_logp"])
+    assert (r["policy_logp"] - r["base_logp"]).abs().max() > 1e-3, "the policy has moved"
+    assert r["stats"]["kl_ref"] >= 0
+
+
+def test_weight_sync_sends_merged_weights_under_the_base_names(two_ranks):
+    r = two_ranks
+    sent, merged, base = r["merged_local"], r["merged_full"], r["base_after"]
+    tied = {"lm_head.weight"}  # the tiny model ties it to the embeddings: sent once
+    assert set(sent) == {k.replace(".base_layer.", ".") for k in base} - tied
+    assert not any("lora_" in k or "base_layer" in k for k in sent)
+    for name, t in sent.items():
+        assert torch.allclose(t, merged[name], atol=1e-6), name
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(sent[q], base["model.layers.0.self_attn.q_proj.base_layer.weight"])
+    assert r["bytes_per_sync"] == r["bytes_per_sync_base"], "the base model's layout"
+
+
+def test_checkpoint_holds_adapters_and_resumes_bitwise(two_ranks):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    r = two_ranks
+    saved = FileSystemReader(r["checkpoint"]).read_metadata().state_dict_metadata
+    model_keys = {k.split(".", 1)[1] for k in saved if k.startswith("model.")}
+    assert model_keys == set(r["adapters"]), "the checkpoint's model: the adapters only"
+    for name, t in r["adapters_after"].items():
+        assert torch.equal(r["resumed"][name], t), name
+
+
+def test_export_writes_a_peft_adapter_and_the_merged_model(two_ranks, tmp_path):
+    """llamarl.export of the LoRA checkpoint: the merged HF directory and the PEFT adapter
+    directory on the base load in transformers and agree (logprobs to float rounding, greedy
+    tokens exactly), and they hold the checkpoint's adapters (not the base model)."""
+    from peft import PeftModel
+    from test_buffer import make_batch
+    from transformers import AutoModelForCausalLM
+
+    from llamarl.export import export
+
+    out = export(two_ranks["checkpoint"], tmp_path / "export")
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    base_path = json.loads((Path(two_ranks["checkpoint"]) / "meta.json").read_text())[
+        "model_path"]
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32), str(out / "adapter"))
+    _, tok = build_model(seed=0)
+    batch = pad_rollouts(make_batch(3, 2, seed=9), tok.pad_token_id)
+    with torch.no_grad():
+        lp_merged = token_logprobs(merged, batch, 1.0)[0]
+        lp_adapted = token_logprobs(adapted, batch, 1.0)[0]
+        lp_base = token_logprobs(base, batch, 1.0)[0]
+        ids = torch.tensor([[tok.bos_token_id] + tok.encode("abcd=", add_special_tokens=False)])
+        greedy = [m.generate(ids, max_new_tokens=8, do_sample=False)[0].tolist()
+                  for m in (merged, adapted)]
+    assert (lp_merged - lp_adapted).abs().max() < 1e-5
+    assert (lp_merged - lp_base).abs().max() > 1e-3, "the adapters are in the export"
+    assert greedy[0] == greedy[1]
+    saved = {k.replace(".lora_A.weight", ".lora_A.default.weight")
+             .replace(".lora_B.weight", ".lora_B.default.weight"): v
+             for k, v in adapted.state_dict().items() if ".lora_" in k}
+    for name, t in two_ranks["adapters_1"].items():
+        assert torch.equal(saved["base_model.model." + name], t), name
+
+
+def test_two_ranks_take_the_update_of_one_process(two_ranks):
+    """The first update of tests/dist/lora_policy_step.py (two FSDP2 ranks, half the batch
+    each) is the update one unsharded process takes on the whole batch: FSDP2 reduces the
+    adapters' gradients beside the frozen weights as it does for a fully trained model."""
+    from test_buffer import make_batch
+
+    from llamarl.trainer.loop import load_reference
+    from llamarl.trainer.rl_step import policy_step
+    from llamarl.trainer.step import PolicyTrainer
+
+    cfg = load_config(None, STEP_CFG)
+    model, tok = build_model(seed=0)
+    add_adapters(model, cfg.model.lora, seed=cfg.run.seed)
+    trainer = PolicyTrainer(model, cfg.trainer, 2, 1, torch.device("cpu"))
+    reference = load_reference(cfg, "", None, torch.device("cpu"), policy=model)
+    stats = policy_step(trainer, make_batch(4, 4, seed=5), cfg, tok.pad_token_id,
+                        reference=reference)
+    assert stats["loss"] == pytest.approx(two_ranks["stats"]["loss"], abs=1e-5)
+    assert stats["grad_norm"] == pytest.approx(two_ranks["stats"]["grad_norm"], rel=1e-4)
+    for name, t in model.state_dict().items():
+        if ".lora_" in name:
+            assert torch.allclose(t, two_ranks["adapters_1"][name], atol=2e-5), name
