@@ -82,7 +82,11 @@ def test_which_jobs_survive_an_engine_loss():
                                 layout, cpu)
     assert survives_engine_loss(_cfg("sync.transport=filesystem"), layout, cpu)  # swept
     cuda = torch.device("cuda", 0)
-    assert not survives_engine_loss(_cfg(), layout, cuda)  # NCCL broadcast
+    # NCCL: one broadcast group per trainer rank cannot leave an engine out
+    assert not survives_engine_loss(_cfg("sync.weight_groups=shared"), layout, cuda)
+    # pair groups (sync.weight_groups auto, on one node): a lost engine's are aborted
+    assert survives_engine_loss(_cfg(), layout, cuda)
+    assert not survives_engine_loss(_cfg(), compute_layout(4, 2, 2, 2, 1), cuda)
     # NCCL with the filesystem transport on one node: nothing NCCL spans an engine
     assert survives_engine_loss(_cfg("sync.transport=filesystem"), layout, cuda)
     # across nodes rollouts take NCCL pair groups
