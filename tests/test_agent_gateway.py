@@ -183,7 +183,7 @@ def _engine_chain(live, episode: int, calls: list[int]) -> list[int]:
 
 def test_trained_tokens_are_the_engines_sampled_tokens(live):
     """Episode ids follow the groups (2 episodes each): chat_tools 0-1, edits_history 2-3,
-    no_model 4-5, fifty_calls 6-7, two_choices 8-9, malformed 10-11."""
+    no_model 4-5, fifty_calls 6-7, two_choices 8-9, malformed 10-11, stops 12-13."""
     for e in (0, 1):  # two chat calls with tools, the second spliced: one sequence
         assert live["chat_tools"]["sampled"][e] == _engine_chain(live, e, [0, 1])
     assert live["chat_tools"]["turns"] == [2, 2]
@@ -216,6 +216,12 @@ def test_malformed_requests_get_openai_errors(live):
                  "wrong_token": 401, "temperature": 400, "stream": 400, "unknown_route": 404,
                  "client_not_found": 404}
     assert live["malformed"]["rewards"] == [1.0, 1.0]  # GET /v1/models served "policy"
+
+
+def test_stop_strings_cut_the_text_and_keep_the_engines_tokens(live):
+    for e in (12, 13):
+        assert live["stops"]["sampled"][e - 12] == _engine_chain(live, e, [0, 1])
+    assert live["stops"]["rewards"] == [1.0, 1.0]  # no stop string in the returned text
 
 
 def test_failing_agents_fail_their_episode_never_the_run(live):

@@ -60,6 +60,17 @@ def two_choices(client, row):
     return float(len(out.choices))
 
 
+def stops(client, row):
+    """Stop strings: the text comes back cut before them; sent back, the call is spliced
+    onto the engine's tokens (the stop string's included)."""
+    stop = [" ", "e", "a", "o"]
+    out = client.completions.create(model="policy", prompt="hello", max_tokens=8, stop=stop)
+    text = out.choices[0].text
+    client.completions.create(model="policy", prompt="hello" + text + "!", max_tokens=2)
+    return {"reward": float(not any(s in text for s in stop)),
+            "metrics": {"stopped": float(out.choices[0].finish_reason == "stop")}}
+
+
 async def async_agent(client, row):
     out = await client.chat.completions.create(
         model="policy", messages=[{"role": "user", "content": row["prompt"]}], max_tokens=3)
@@ -119,7 +130,8 @@ def malformed(client, row):
 
 
 AGENTS = {f.__name__: f for f in (chat_tools, edits_history, no_model, fifty_calls,
-                                  two_choices, hangs, raises, not_a_number, exits, malformed)}
+                                  two_choices, hangs, raises, not_a_number, exits, malformed,
+                                  stops)}
 
 
 def scenario(client, row):

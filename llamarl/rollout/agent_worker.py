@@ -70,22 +70,40 @@ def agent_result(value) -> tuple[float, dict]:
     return float(value), {k: float(v) for k, v in metrics.items()}
 
 
-def run_episode(fn, base_url: str, key: str, row: dict, timeout_s: float):
-    """One episode: `fn(client, row)` with a client for the gateway, closed after."""
+_HTTP = None  # the worker's HTTP connection pool, shared by its sync episodes
+_HTTP_LOCK = threading.Lock()
+
+
+def _http(threads: int):
+    """One httpx.Client per worker (thread-safe, keep-alive): a client per episode cost a
+    TLS context each (loading the CA bundle, milliseconds of CPU) and a new connection.
+    trust_env=False: the gateway is reached directly, never through an HTTP(S)_PROXY."""
+    global _HTTP
+    import httpx
+
+    with _HTTP_LOCK:
+        if _HTTP is None:
+            _HTTP = httpx.Client(trust_env=False, verify=False, limits=httpx.Limits(
+                max_connections=threads, max_keepalive_connections=threads))
+        return _HTTP
+
+
+def run_episode(fn, base_url: str, key: str, row: dict, timeout_s: float, threads: int = 1):
+    """One episode: `fn(client, row)` with a client for the gateway (the gateway is plain
+    HTTP, hence verify=False: no CA bundle to load)."""
     import httpx
     import openai
 
-    # trust_env=False: the gateway is reached directly, never through an HTTP(S)_PROXY
-    if inspect.iscoroutinefunction(fn):
+    if inspect.iscoroutinefunction(fn):  # its own event loop, so its own connections
         async def go():
             async with openai.AsyncOpenAI(
                     base_url=base_url, api_key=key, max_retries=0, timeout=timeout_s,
-                    http_client=httpx.AsyncClient(trust_env=False)) as client:
+                    http_client=httpx.AsyncClient(trust_env=False, verify=False)) as client:
                 return await fn(client, row)
         return asyncio.run(go())
-    with openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=timeout_s,
-                       http_client=httpx.Client(trust_env=False)) as client:
-        return fn(client, row)
+    client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=timeout_s,
+                           http_client=_http(threads))
+    return fn(client, row)  # (not closed: that would close the shared pool)
 
 
 def _worker_main(conn, agent: str, base_url: str, threads: int, timeout_s: float) -> None:
@@ -104,7 +122,7 @@ def _worker_main(conn, agent: str, base_url: str, threads: int, timeout_s: float
         row, key = arg
         try:
             reply = (call_id, "ok", agent_result(run_episode(fn, base_url, key, row,
-                                                             timeout_s)))
+                                                             timeout_s, threads)))
         except BaseException as e:  # noqa: BLE001 - SystemExit from user code is an error too
             reply = (call_id, "error", f"the agent {e}" if isinstance(e, BadResult)
                      else f"the agent raised {type(e).__name__}: {e}")
