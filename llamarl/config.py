@@ -544,9 +544,9 @@ def _validate_continuous(cfg: Config) -> None:
         _fail("sync.deterministic", True, "continuous generation loads weights whenever they "
               "arrive, so its batches depend on timing: use generator.mode=batch for "
               "reproducible asynchronous runs")
-    if cfg.rollout.source not in ("single_turn", "multi_turn"):
+    if cfg.rollout.source not in ("single_turn", "multi_turn", "agent"):
         _fail("generator.mode", g.mode, f"continuous generation drives the built-in sources "
-              f"(single_turn, multi_turn), not rollout.source {cfg.rollout.source!r}: use "
+              f"(single_turn, multi_turn, agent), not rollout.source {cfg.rollout.source!r}: use "
               "generator.mode=batch")
     per_engine = g.prompts_per_step // max(g.engines, 1) * g.samples_per_prompt
     if g.in_flight_sequences and g.in_flight_sequences < g.samples_per_prompt:

@@ -237,15 +237,20 @@ def test_failing_agents_fail_their_episode_never_the_run(live):
 
 
 @pytest.mark.slow
-def test_agent_recipe_trains_through_the_launcher(tmp_path, cache_dir):
-    """recipes/tiny_agent_cpu.yaml as a user launches it (3 ranks): agent episodes reach the
-    trainer with the agent metrics. (Learning itself is measured in docs/agents.md.)"""
+@pytest.mark.parametrize("mode", [[], ["generator.mode=continuous", "sync.max_staleness=1"]],
+                         ids=["batch", "continuous"])
+def test_agent_recipe_trains_through_the_launcher(tmp_path, cache_dir, mode):
+    """recipes/tiny_agent_cpu.yaml as a user launches it (3 ranks), in batch and continuous
+    generation: agent episodes reach the trainer with the agent metrics, and the run ends
+    without a traceback (calls of episodes stopped with the run are answered, not cancelled).
+    (Learning itself is measured in docs/agents.md.)"""
     from conftest import torchrun
 
     proc = torchrun(3, ["-m", "llamarl.launch", "recipes/tiny_agent_cpu.yaml", "run.steps=3",
-                        "run.eval_every=0", "data.eval_prompts=16", f"run.output_dir={tmp_path}"],
-                    timeout=900, LLAMARL_CACHE=str(cache_dir))
+                        "run.eval_every=0", "data.eval_prompts=16", f"run.output_dir={tmp_path}",
+                        *mode], timeout=900, LLAMARL_CACHE=str(cache_dir))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "Traceback" not in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-4000:]
     run = next(p for p in tmp_path.iterdir() if p.is_dir())
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3

@@ -63,6 +63,7 @@ class Gateway:
         self.token = secrets.token_urlsafe(24)
         self.calls: queue.SimpleQueue[GatewayCall] = queue.SimpleQueue()
         self._episodes: dict[str, int] = {}  # episode key -> episode id
+        self._waiting: set[Future] = set()  # futures of calls not answered yet
         self._lock = threading.Lock()
         self._server = None
         self._thread: threading.Thread | None = None
@@ -157,8 +158,14 @@ class Gateway:
                 return refuse(GatewayError(503, "the gateway is shutting down",
                                            type_="server_error"))
             future: Future = Future()
+            with self._lock:
+                self._waiting.add(future)
             self.calls.put(GatewayCall(eid, kind, checked, future))
-            status, out = await asyncio.wrap_future(future)
+            try:
+                status, out = await asyncio.wrap_future(future)
+            finally:
+                with self._lock:
+                    self._waiting.discard(future)
             if status != 200:
                 self.refused += 1
             return JSONResponse(out, status_code=status)
@@ -200,10 +207,16 @@ class Gateway:
             time.sleep(0.01)
 
     def close(self) -> None:
-        """Stop serving: calls queued or arriving now are answered 503, then the server
-        stops."""
+        """Stop serving: calls queued, in the engine (episodes stopped with the run) or
+        arriving now are answered 503, then the server stops."""
         self._closing = True
         self._answer_queued()
+        with self._lock:
+            waiting = list(self._waiting)
+        for future in waiting:
+            if not future.done():
+                future.set_result((503, error_body("the gateway is shutting down",
+                                                   "server_error")))
         if self._server is not None:
             time.sleep(0.05)  # (a request past the flag's check is queued by now)
             self._answer_queued()

@@ -79,6 +79,10 @@ class AgentSource(RolloutSource):
         self.pool.close()
         self.gateway.close()
 
+    def runner(self, temperature: float, spans: bool = False) -> AgentRunner:
+        """Episodes driven group by group (continuous generation, generator/continuous.py)."""
+        return AgentRunner(self, temperature, spans)
+
     def collect(self, prompts, n, temperature, seed, version, step=None,
                 first=0) -> Collected:
         t_start = time.perf_counter()
