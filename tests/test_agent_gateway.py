@@ -236,6 +236,13 @@ def test_failing_agents_fail_their_episode_never_the_run(live):
     assert "KeyError" in live["all_fail"]["error"]
 
 
+def test_an_openai_agents_sdk_agent_trains_through_the_gateway(live):
+    pytest.importorskip("agents")
+    sdk = live["sdk"]
+    assert sdk["rewards"] == [[1.0, 1.0]], sdk
+    assert sdk["metrics"]["model_calls"] >= 2 and sdk["metrics"]["agent_errors"] == 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", [[], ["generator.mode=continuous", "sync.max_staleness=1"]],
                          ids=["batch", "continuous"])

@@ -77,6 +77,32 @@ async def async_agent(client, row):
     return 0.75 if out.choices[0].message.role == "assistant" else 0.0
 
 
+async def sdk_agent(client, row):
+    """The OpenAI Agents SDK (openai-agents) on the gateway: its chat-completions model with
+    the episode's client, a function tool, the SDK's own run loop."""
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)  # (it would export traces to OpenAI)
+
+    @function_tool
+    def temperature(city: str) -> str:
+        """The temperature in a city."""
+        return "4 C"
+
+    agent = Agent(name="weather", instructions="Be brief.", tools=[temperature],
+                  model=OpenAIChatCompletionsModel(model="policy", openai_client=client),
+                  model_settings=ModelSettings(max_tokens=4))
+    result = await Runner.run(agent, "Oslo?", max_turns=3)
+    return 1.0 if isinstance(result.final_output, str) else 0.0
+
+
 def hangs(client, row):
     time.sleep(3600)
 

@@ -86,7 +86,13 @@ def main() -> None:
     # an async agent; failing agents (one per worker: os._exit kills its worker's episodes);
     # every episode failing; each with a gateway of its own
     failing = ["exits", "hangs", "raises", "not_a_number", "no_model"]
+    try:
+        import agents  # noqa: F401 - the OpenAI Agents SDK, when installed (the dev extra)
+        sdk = [("sdk_agent", "sdk", ["x"], 2, [])]
+    except ImportError:
+        sdk = []
     for agent, key, kinds, n, extra in (
+            *sdk,
             ("async_agent", "async", ["x", "y"], 2, []),
             ("scenario", "failing", failing, 1, ["rollout.workers=5",
                                                  "rollout.agent_timeout_s=2"]),
