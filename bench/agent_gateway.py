@@ -97,6 +97,58 @@ def _cpu(source) -> tuple[float, float]:
     return me.user + me.system, sum(w.user + w.system for w in workers)
 
 
+def sleepy_lookup_agent(client, row):
+    """lookup_agent whose tool takes 0-50 ms (a remote call): the model call is made, then the
+    agent sleeps before the next, as bench/multi_turn_concurrency.py's SlowLookupEnv."""
+    import random
+
+    create = client.completions.create
+
+    def slow(**kw):
+        out = create(**kw)
+        if out.choices[0].text.strip().startswith("*"):
+            time.sleep(random.uniform(0.0, 0.05))
+        return out
+
+    client.completions.create = slow
+    return lookup_agent(client, row)
+
+
+def concurrency_and_leaks(engine, fmt, steps: int) -> dict:
+    """64 agent episodes per collection (8 prompts x 8) whose tools sleep 0-50 ms, `steps`
+    collections: the engine's busy share, and the open file descriptors and TCP connections
+    of the generator and agent processes after each (no growth is the check)."""
+    import psutil
+
+    from llamarl.config import load_config
+    from llamarl.rollout.source import SourceContext, build_source
+    from llamarl.tiny import lookup
+
+    cfg = load_config("recipes/tiny_tool_cpu.yaml", [
+        "rollout.source=agent", "rollout.agent=agent_gateway:sleepy_lookup_agent",
+        "rollout.threads_per_worker=32"])
+    source = build_source(SourceContext(cfg, engine, engine.tokenizer, fmt, None, 0))
+    prompts = fmt.encode(lookup.sample_examples(8, "train", 1))
+    busy, fds, conns = [], [], []
+    try:
+        for r in range(steps):
+            m = source.collect(prompts, 8, 1.0, 5000 + r, 0, step=r).metrics
+            busy.append(m["engine_busy_s"] / m["collect_s"])
+            procs = [psutil.Process()] + [psutil.Process(p.pid) for p in source.pool._procs]
+            fds.append(sum(p.num_fds() for p in procs))
+            conns.append(sum(len(p.net_connections(kind="tcp")) for p in procs))
+    finally:
+        source.close()
+    return {"collections": steps, "episodes_per_collection": 64,
+            "engine_busy_share_median": round(statistics.median(busy), 3),
+            "fds_first_peak_last": [fds[0], max(fds), fds[-1]],
+            "tcp_connections_first_peak_last": [conns[0], max(conns), conns[-1]],
+            # after collections 1, 2, 5, 10, 20, 50, 100, 200 (those run)
+            "fds_at": {n: fds[n - 1] for n in (1, 2, 5, 10, 20, 50, 100, 200) if n <= steps},
+            "tcp_connections_at": {n: conns[n - 1] for n in (1, 2, 5, 10, 20, 50, 100, 200)
+                                   if n <= steps}}
+
+
 def _note_latency(engine) -> list[float]:
     """Record each request's submit-to-finish seconds into the returned list."""
     started, out = {}, []
@@ -130,6 +182,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--leak-steps", type=int, default=200,
+                    help="collections of 64 sleepy-tool episodes for the fd/connection check")
     ap.add_argument("--out", default="bench/results/agent_gateway.json")
     args = ap.parse_args()
     path = warm_start_dir("lookup")
@@ -183,6 +237,9 @@ def main() -> None:
             row["agent_errors"] = sum(m["agent_errors"] + m["agent_timeouts"] for m in m0)
         result[name] = row
     result["http_only"] = http_only()
+    if args.leak_steps:
+        result["sleepy_tools_64_episodes"] = concurrency_and_leaks(
+            engine, PromptFormatter(engine.tokenizer), args.leak_steps)
     result["load_average_1m"] = __import__("os").getloadavg()[0]  # the machine is shared
     a, b = result["gateway_agent"], result["in_process_multi_turn"]
     result["step_ratio"] = round(a["collect_s"] / b["collect_s"], 3)

@@ -10,8 +10,11 @@ tool_choice is not "none". Calls found become the message's `tool_calls` (finish
 
 from __future__ import annotations
 
-import secrets
+import itertools
 import time
+
+# response and tool-call ids: unique per process (os.urandom per id cost ~90 us on the CPU box)
+_IDS = itertools.count()
 
 
 def tool_parser(name: str, tokenizer):
@@ -66,7 +69,7 @@ def chat_message(text: str, parser, tools, tool_choice: str, model: str) -> tupl
     info = parser.extract_tool_calls(text, request)
     if not info.tools_called:
         return {"role": "assistant", "content": text}, False
-    calls = [{"id": f"call_{secrets.token_hex(8)}", "type": "function",
+    calls = [{"id": f"call_{next(_IDS)}", "type": "function",
               "function": {"name": tc.function.name, "arguments": tc.function.arguments}}
              for tc in info.tool_calls]
     return {"role": "assistant", "content": info.content or None, "tool_calls": calls}, True
@@ -94,7 +97,7 @@ def chat_response(req, prompt_ids, completions, parser, tokenizer, model: str
                                                                   json)}}
                                  for tc in message["tool_calls"]]
         keyed.append(key)
-    body = {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion",
+    body = {"id": f"chatcmpl-{next(_IDS)}", "object": "chat.completion",
             "created": int(time.time()), "model": model, "choices": choices,
             "usage": _usage(prompt_ids, completions)}
     return body, keyed
@@ -121,7 +124,7 @@ def completion_response(req, prompt_ids, completions, tokenizer, model: str
         choices.append({"index": i, "text": text, "finish_reason": _finish(c, stopped),
                         "logprobs": lps})
         texts.append(text)
-    body = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion",
+    body = {"id": f"cmpl-{next(_IDS)}", "object": "text_completion",
             "created": int(time.time()), "model": model, "choices": choices,
             "usage": _usage(prompt_ids, completions)}
     return body, texts
