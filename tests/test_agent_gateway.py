@@ -236,6 +236,12 @@ def test_failing_agents_fail_their_episode_never_the_run(live):
     assert "KeyError" in live["all_fail"]["error"]
 
 
+def test_the_docs_example_agent_runs_as_written(live):
+    doc = live["docs_example"]  # docs/agents.md's weather_agent, copied out of the page
+    assert doc["rewards"] == [[1.0, 1.0]], doc  # (the test rows' answer is "")
+    assert doc["metrics"]["agent_errors"] == 0 and doc["metrics"]["model_calls"] >= 2
+
+
 def test_an_openai_agents_sdk_agent_trains_through_the_gateway(live):
     pytest.importorskip("agents")
     sdk = live["sdk"]

@@ -86,18 +86,29 @@ def main() -> None:
     # an async agent; failing agents (one per worker: os._exit kills its worker's episodes);
     # every episode failing; each with a gateway of its own
     failing = ["exits", "hangs", "raises", "not_a_number", "no_model"]
+    # docs/agents.md's example agent, copied out of the page as written
+    import re
+    import tempfile
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "agents.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", page, re.DOTALL)
+                 if b.startswith("# my_agents.py"))
+    mods = Path(tempfile.mkdtemp(prefix="llamarl-doc-agent-"))
+    (mods / "my_agents.py").write_text(block)
+    sys.path.insert(0, str(mods))  # (spawned agent workers start with this sys.path)
+    doc = [("my_agents:weather_agent", "docs_example", ["x"], 2, [])]
     try:
         import agents  # noqa: F401 - the OpenAI Agents SDK, when installed (the dev extra)
-        sdk = [("sdk_agent", "sdk", ["x"], 2, [])]
+        sdk = [("user_agents:sdk_agent", "sdk", ["x"], 2, [])]
     except ImportError:
         sdk = []
     for agent, key, kinds, n, extra in (
-            *sdk,
-            ("async_agent", "async", ["x", "y"], 2, []),
-            ("scenario", "failing", failing, 1, ["rollout.workers=5",
+            *doc, *sdk,
+            ("user_agents:async_agent", "async", ["x", "y"], 2, []),
+            ("user_agents:scenario", "failing", failing, 1, ["rollout.workers=5",
                                                  "rollout.agent_timeout_s=2"]),
-            ("raises", "all_fail", ["x"], 2, ["rollout.workers=1"])):
-        cfg2 = load_config(None, base + [f"rollout.agent=user_agents:{agent}", *extra])
+            ("user_agents:raises", "all_fail", ["x"], 2, ["rollout.workers=1"])):
+        cfg2 = load_config(None, base + [f"rollout.agent={agent}", *extra])
         src = build_source(SourceContext(cfg2, engine, tok, fmt, None, 0))
         try:
             t0 = time.monotonic()
