@@ -120,6 +120,9 @@ def main() -> None:
             out[key] = {"error": str(e)}
         finally:
             src.close()
+    import shutil
+
+    shutil.rmtree(mods, ignore_errors=True)
     print(json.dumps(out))
 
 
