@@ -301,7 +301,8 @@ class RewardConfig:
 class RolloutConfig:
     # Where samples come from (llamarl/rollout/): "single_turn" (one completion per prompt,
     # scored by reward.*), "multi_turn" (episodes of rollout.env, tool calls between turns),
-    # or "module:Class", a RolloutSource of your own.
+    # "agent" (rollout.agent, an OpenAI-client agent served by the engine's gateway:
+    # docs/agents.md), or "module:Class", a RolloutSource of your own.
     source: str = "single_turn"
     # multi_turn: the environment, "module:Class" (an llamarl.rollout.Environment), or a
     # built-in: "lookup" (the tiny tool task), "calculator" (GSM8K with a calculator tool).
@@ -319,8 +320,20 @@ class RolloutConfig:
     # An environment call that raises, times out or returns garbage: "stop" ends the run
     # naming it; "zero" ends that episode with reward 0 (finish reason env_error), counted.
     on_error: str = "stop"
-    workers: int = 2  # environment worker processes per engine
+    workers: int = 2  # environment (or agent) worker processes per engine
     threads_per_worker: int = 16  # concurrent calls per worker (tools that wait overlap)
+    # agent: "module:function", f(client, row) -> reward or {"reward": r, "metrics": {...}}
+    # (sync or async; client: an openai.OpenAI / AsyncOpenAI whose base_url is this engine's
+    # gateway), or "lookup" (the tiny tool task as an agent, llamarl/envs/lookup_agent.py).
+    agent: str = ""
+    agent_timeout_s: float = 60.0  # per agent episode, every model call and tool included
+    # The gateway (llamarl/gateway/): the address it binds (loopback unless you need the
+    # agents elsewhere: it serves anyone holding the run's token) and port (0 = any free).
+    gateway_host: str = "127.0.0.1"
+    gateway_port: int = 0
+    # vLLM's tool-call parser for /v1/chat/completions (hermes, llama3_json, mistral, ...:
+    # vllm.tool_parsers), or "none": the assistant's text is returned as content.
+    tool_parser: str = "hermes"
 
 
 @dataclass
@@ -600,9 +613,9 @@ def _validate_continuous(cfg: Config) -> None:
         _fail("sync.deterministic", True, "continuous generation loads weights whenever they "
               "arrive, so its batches depend on timing: use generator.mode=batch for "
               "reproducible asynchronous runs")
-    if cfg.rollout.source not in ("single_turn", "multi_turn"):
+    if cfg.rollout.source not in ("single_turn", "multi_turn", "agent"):
         _fail("generator.mode", g.mode, f"continuous generation drives the built-in sources "
-              f"(single_turn, multi_turn), not rollout.source {cfg.rollout.source!r}: use "
+              f"(single_turn, multi_turn, agent), not rollout.source {cfg.rollout.source!r}: use "
               "generator.mode=batch")
     per_engine = g.prompts_per_step // max(g.engines, 1) * g.samples_per_prompt
     if g.in_flight_sequences and g.in_flight_sequences < g.samples_per_prompt:
@@ -690,9 +703,26 @@ def _validate_distill(alg: AlgorithmConfig) -> None:
 
 def _validate_rollout(cfg: Config) -> None:
     ro, g = cfg.rollout, cfg.generator
-    if ro.source not in ("single_turn", "multi_turn") and (
+    if ro.source not in ("single_turn", "multi_turn", "agent") and (
             ":" not in ro.source or ro.source.startswith(":") or ro.source.endswith(":")):
-        _fail("rollout.source", ro.source, "use single_turn, multi_turn or 'module:Class'")
+        _fail("rollout.source", ro.source,
+              "use single_turn, multi_turn, agent or 'module:Class'")
+    if ro.source == "agent":
+        if ro.agent != "lookup" and (":" not in ro.agent or ro.agent.startswith(":")
+                                     or ro.agent.endswith(":")):
+            _fail("rollout.agent", ro.agent, "name the agent of rollout.source=agent: "
+                  "'module:function' (f(client, row) -> reward), or lookup")
+        if g.dynamic_sampling:
+            _fail("generator.dynamic_sampling", g.dynamic_sampling,
+                  "is for rollout.source=single_turn for now: set it false")
+        if cfg.reward.functions or cfg.reward.model_path:
+            _fail("reward.functions", cfg.reward.functions,
+                  "agent episodes are scored by the agent's return value: set "
+                  "reward.functions=[] and no reward.model_path")
+        if not ro.agent_timeout_s > 0:
+            _fail("rollout.agent_timeout_s", ro.agent_timeout_s, "must be > 0 (seconds)")
+        if not 0 <= ro.gateway_port < 65536:
+            _fail("rollout.gateway_port", ro.gateway_port, "must be a port, or 0 (any free)")
     if ro.source == "multi_turn":
         if not ro.env:
             _fail("rollout.env", ro.env, "name the environment of rollout.source=multi_turn: "

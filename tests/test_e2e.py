@@ -221,9 +221,11 @@ def test_plot_writes_charts_and_a_chrome_trace(finished_run):
 # (finished_run above, in bfloat16; float32 in test_resume.py), tiny_ppo_cpu.yaml
 # (test_resume.py), tiny_grpo_tp2_cpu.yaml (test_tp.py, test_file_transport.py),
 # tiny_grpo_async_cpu.yaml (test_async_e2e.py), tiny_distill_cpu.yaml (test_distill.py, with a
-# teacher built in the test: the recipe's own teacher takes minutes to train).
+# teacher built in the test: the recipe's own teacher takes minutes to train),
+# tiny_agent_cpu.yaml (test_agent_gateway.py).
 ELSEWHERE = {"tiny_tool_cpu.yaml", "tiny_grpo_cpu.yaml", "tiny_ppo_cpu.yaml",
-             "tiny_grpo_tp2_cpu.yaml", "tiny_grpo_async_cpu.yaml", "tiny_distill_cpu.yaml"}
+             "tiny_grpo_tp2_cpu.yaml", "tiny_grpo_async_cpu.yaml", "tiny_distill_cpu.yaml",
+             "tiny_agent_cpu.yaml"}
 CPU_RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*_cpu.yaml")
                      if p.name not in ELSEWHERE)
 
@@ -232,7 +234,7 @@ def test_every_cpu_recipe_is_launched_by_some_test():
     """Each recipe kept out of the list below runs in the test named above."""
     tests = {name: (ROOT / "tests" / name).read_text() for name in
              ("test_multi_turn.py", "test_resume.py", "test_tp.py", "test_async_e2e.py",
-              "test_distill.py")}
+              "test_distill.py", "test_agent_gateway.py")}
     for recipe in ELSEWHERE - {"tiny_grpo_cpu.yaml"}:  # (RECIPE, in this file)
         assert any(f"recipes/{recipe}" in text for text in tests.values()), recipe
     assert RECIPE == "recipes/tiny_grpo_cpu.yaml"

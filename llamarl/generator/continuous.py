@@ -172,14 +172,13 @@ class GroupPool:
 
 
 class EpisodePool:
-    """Multi-turn prompt groups (rollout/multi_turn.py's EpisodeRunner): G episodes each,
-    complete when all G have their reward; episodes waiting for a tool hold a place too."""
+    """Episode prompt groups (the source's runner: rollout/multi_turn.py's EpisodeRunner, or
+    rollout/agent_source.py's AgentRunner): G episodes each, complete when all G have their
+    reward; episodes waiting for a tool (or an agent) hold a place too."""
 
     def __init__(self, engine, source, n: int, temperature: float):
-        from llamarl.rollout.multi_turn import EpisodeRunner
-
         self.engine, self.n = engine, n
-        self.runner = EpisodeRunner(source, temperature, spans=True)
+        self.runner = source.runner(temperature, spans=True)
         self.submitted = 0
         self.reward_errors = self.reward_timeouts = 0  # the environment rewards: none
         self.reward_s = 0.0
@@ -260,7 +259,8 @@ def run_continuous(rt: Runtime, engine, scorer, source, slots: SlotSet, weights,
                    to_batch, data_bad_rows: int) -> None:
     """Engine e's continuous loop until the trainer's final version is loaded, for the slots
     it makes (generator/slots.py: its own, and those of lost engines it took over). `source`:
-    the multi-turn source (its environment workers), or None for single-turn sampling scored
+    the episode source (multi_turn: its environment workers; agent: its gateway and agent
+    workers), or None for single-turn sampling scored
     by `scorer`. `to_batch(groups, slot, step, stride)` builds a RolloutBatch
     (generator/loop.py).
 

@@ -74,6 +74,7 @@ class _Request:
     prompt_ids: list[int]
     temperature: float
     max_tokens: int
+    stop: list[str] | None = None  # stop strings (the gateway's requests)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     spans: list[list[int]] = field(default_factory=list)
@@ -100,8 +101,8 @@ def _sampling_params(logprobs: int | None = 0, **kw):
     the engine reads them off the sampler itself (generator/sampled_logprobs.py)."""
     from vllm import SamplingParams
 
-    return SamplingParams(top_p=1.0, top_k=0, logprobs=logprobs, flat_logprobs=True,
-                          detokenize=False, **kw)
+    kw.setdefault("detokenize", False)
+    return SamplingParams(top_p=1.0, top_k=0, logprobs=logprobs, flat_logprobs=True, **kw)
 
 
 def _sampled_logprobs(ids: list[int], logprobs) -> list[float]:
@@ -458,9 +459,11 @@ class Engine:
     # there is room) ------------------------------------------------------------------------
     @spmd
     def submit(self, request_id: str, prompt_ids: list[int], temperature: float,
-               max_tokens: int) -> None:
-        """Queue one sample of `prompt_ids`; step() returns it when it is done."""
-        req = _Request(list(prompt_ids), temperature, max_tokens)
+               max_tokens: int, stop: list[str] | None = None) -> None:
+        """Queue one sample of `prompt_ids`; step() returns it when it is done. `stop`:
+        strings that end the sample once sampled (vLLM detokenises such a request as it
+        goes; its tokens, the stop string's included, are returned as sampled)."""
+        req = _Request(list(prompt_ids), temperature, max_tokens, list(stop) if stop else None)
         self._requests[request_id] = req
         self._add(request_id, req)
 
@@ -471,9 +474,10 @@ class Engine:
         # FINAL_ONLY: vLLM builds no output for a running request (streaming every token cost
         # 12% of the tiny model's tokens/s); a weight load reads its tokens so far from
         # vLLM's request state instead (_running_states)
+        stop = {"stop": req.stop, "detokenize": True} if req.stop else {}
         params = _sampling_params(n=1, temperature=req.temperature,
                                   max_tokens=req.max_tokens - len(req.token_ids),
-                                  output_kind=RequestOutputKind.FINAL_ONLY)
+                                  output_kind=RequestOutputKind.FINAL_ONLY, **stop)
         req.vllm_id = f"{request_id}#{req.restarts}"
         self.llm.llm_engine.add_request(
             req.vllm_id, TokensPrompt(prompt_token_ids=req.prompt_ids + req.token_ids), params)

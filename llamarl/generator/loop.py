@@ -297,7 +297,8 @@ def lead(rt: Runtime, engine: Engine, data: PromptData, model_path: str,
         if g.mode == "continuous":  # generator/continuous.py: the engine never drains
             # multi-turn: episodes get environment workers of their own, apart from the
             # evaluation's (it runs while they are paused and must not read their results)
-            episodes = build_source(source_ctx) if cfg.rollout.source == "multi_turn" else None
+            episodes = (build_source(source_ctx)
+                        if cfg.rollout.source in ("multi_turn", "agent") else None)
             if episodes is not None:
                 rt.watchdog.local_cleanups.append(episodes.close)
             try:

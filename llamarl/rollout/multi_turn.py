@@ -110,6 +110,10 @@ class MultiTurnSource(RolloutSource):
     def close(self) -> None:
         self.pool.close()
 
+    def runner(self, temperature: float, spans: bool = False) -> EpisodeRunner:
+        """Episodes driven group by group (continuous generation, generator/continuous.py)."""
+        return EpisodeRunner(self, temperature, spans)
+
     def collect(self, prompts, n, temperature, seed, version, step=None,
                 first=0) -> Collected:
         t_start = time.perf_counter()

@@ -6,6 +6,8 @@ from it; dynamic sampling is a filter around it (rewards/dynamic_sampling.py).
 
     single_turn   one completion per sample, scored by reward.*      (rollout/single_turn.py)
     multi_turn    episodes of rollout.env with tool calls             (rollout/multi_turn.py)
+    agent         episodes of an OpenAI-client agent, rollout.agent,  (rollout/agent_source.py)
+                  served by the engine's gateway (llamarl/gateway)
     module:Class  your own: subclass RolloutSource, implement collect(), name it in the
                   recipe as rollout.source
 """
@@ -65,6 +67,9 @@ def build_source(ctx: SourceContext) -> RolloutSource:
     if name == "multi_turn":
         from llamarl.rollout.multi_turn import MultiTurnSource
         return MultiTurnSource(ctx)
+    if name == "agent":
+        from llamarl.rollout.agent_source import AgentSource
+        return AgentSource(ctx)
     from llamarl.imports import import_path
 
     cls = import_path(name, f"rollout.source {name!r}")
@@ -127,4 +132,23 @@ def _episode_metrics(parts: list[dict]) -> dict:
         # max_turns, context (rollout.max_tokens), env_error (rollout.on_error = zero)
         **{k.replace("finish_", "episodes_"): int(v) for k, v in tot.items()
            if k.startswith("finish_")},
+        **_agent_metrics(tot, episodes),
     }
+
+
+def _agent_metrics(tot: dict, episodes: float) -> dict:
+    """rollout.source = agent (rollout/agent_source.py, gateway/capture.py): model calls per
+    episode, prefix breaks, calls spliced onto sampled ids, sampled tokens left out of the
+    trained sequence, failed episodes, refused calls, and the mean of each metric the agent
+    returned (agent_<name>)."""
+    if "model_calls" not in tot:
+        return {}
+    return {"model_calls_per_episode": tot["model_calls"] / episodes,
+            "prefix_breaks": int(tot["prefix_breaks"]),
+            "spliced_calls": int(tot["spliced_calls"]),
+            "dropped_sampled_tokens": int(tot["dropped_sampled_tokens"]),
+            "agent_errors": int(tot["agent_errors"]),
+            "agent_timeouts": int(tot["agent_timeouts"]),
+            "refused_calls": int(tot["refused_calls"]),
+            **{k: v / episodes for k, v in tot.items() if k.startswith("agent_")
+               and k not in ("agent_errors", "agent_timeouts")}}

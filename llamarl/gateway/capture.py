@@ -1,0 +1,185 @@
+"""Token-exact capture: an agent episode's calls as the tokens the engine saw and sampled.
+
+Prompts (built on the generator's thread, in call order per episode):
+
+  * chat: the messages through the tokenizer's own chat template (`tools` passed through).
+    Re-rendering a history re-tokenises the assistant's earlier turns, which need not give
+    the tokens the engine sampled (and templates may render a turn differently once it is
+    history). So where the request's messages begin with an earlier call's messages plus
+    the reply that call returned (same tools), the gateway splices instead of rendering:
+    that call's prompt ids + the ids the engine sampled for the reply + the template's
+    continuation for the new messages ("glue", as rollout/multi_turn.py renders
+    observations). The assistant turn is then in the context exactly as sampled (a stop
+    string the reply's text was cut at stays in, as the engine's own tokens).
+  * completion: a prompt that begins with an earlier call's prompt + returned text is
+    spliced the same way (its ids + the sampled ids, then the rest tokenised alone); a list
+    of token ids is used as given; any other text is tokenised (a BOS first, where the
+    tokenizer has one, as data/prompts.py does for raw prompts).
+
+Training sequence (EpisodeCapture.sample): calls chain where a call's prompt ids begin with
+an earlier call's prompt + sampled ids, token for token: they merge into one sequence
+[prompt | sampled | new context | sampled | ...] with the loss mask on sampled tokens only.
+The episode trains on one sequence: the chain that ends in its last call's first choice.
+A call whose prompt extends no earlier call (the agent edited or dropped history, or a
+template re-rendered it differently) starts a new chain: a prefix break, counted
+(`prefix_breaks`); tokens sampled outside the trained chain are dropped, counted
+(`dropped_sampled_tokens`). Why one sequence: advantages are normalised over a prompt's G
+episodes (GRPO and kin), and an episode counting as several samples would weigh more than
+its siblings. Sampled text is never re-encoded.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from llamarl.buffer.record import Sample
+
+
+@dataclass
+class _Turn:
+    """One choice of a recorded call: the ids the engine saw and sampled, and what a later
+    request must start with to be spliced onto it."""
+
+    prompt_ids: list[int]
+    completion: object  # generator.engine.Completion
+    chat_key: list | None = None  # chat: the request's messages + this reply, as keys
+    tools_key: str = ""
+    text: str | None = None  # completion: the prompt text + the returned text
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.completion.token_ids
+
+
+def message_key(m: dict) -> tuple:
+    """What makes two messages the same for splicing: role, text, tool calls (name and
+    arguments, not the call ids the client echoes), tool_call_id, name."""
+    calls = tuple((c["function"]["name"], json.dumps(c["function"]["arguments"],
+                                                     sort_keys=True))
+                  for c in m.get("tool_calls") or ())
+    return (m["role"], m.get("content") or "", calls, m.get("tool_call_id"), m.get("name"))
+
+
+class Renderer:
+    """Messages and text to prompt ids with `tokenizer` (the engine's)."""
+
+    def __init__(self, tokenizer):
+        from llamarl.rollout.multi_turn import ContextEncoder
+
+        self.tokenizer = tokenizer
+        self.glue = ContextEncoder(tokenizer, None).glue_text
+        self.eos = tokenizer.eos_token_id
+
+    def chat(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                  add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def text(self, text: str, first: bool) -> list[int]:
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        bos = self.tokenizer.bos_token_id
+        return ([bos] if first and bos is not None else []) + ids
+
+    def continuation(self, messages: list[dict], after: _Turn) -> list[int]:
+        ended_eos = bool(after.completion.token_ids) and \
+            after.completion.token_ids[-1] == self.eos
+        return self.tokenizer(self.glue(messages, ended_eos),
+                              add_special_tokens=False)["input_ids"]
+
+
+class EpisodeCapture:
+    """The calls of one episode, in order."""
+
+    def __init__(self, renderer: Renderer):
+        self.r = renderer
+        self.turns: list[list[_Turn]] = []  # per call, one per choice
+        self.spliced = 0  # calls whose prompt reused an earlier call's sampled ids
+        self.prefix_breaks = 0
+
+    # -- prompts ---------------------------------------------------------------------------
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+        keys = [message_key(m) for m in messages]
+        tools_key = json.dumps(tools, sort_keys=True) if tools else ""
+        for call in reversed(self.turns):
+            for t in call:
+                k = len(t.chat_key or ())
+                if t.chat_key is not None and t.tools_key == tools_key \
+                        and len(keys) >= k and keys[:k] == t.chat_key:
+                    self.spliced += 1
+                    return t.ids + self.r.continuation(messages[k:], t)
+        return self.r.chat(messages, tools)
+
+    def text_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            return list(prompt)
+        for call in reversed(self.turns):
+            for t in call:
+                if t.text is not None and prompt.startswith(t.text):
+                    self.spliced += 1
+                    return t.ids + self.r.text(prompt[len(t.text):], first=False)
+        return self.r.text(prompt, first=True)
+
+    # -- records ---------------------------------------------------------------------------
+    def record(self, prompt_ids: list[int], completions: list, replies: list,
+               messages: list[dict] | None = None, tools: list[dict] | None = None,
+               prompt_text: str | None = None) -> None:
+        """A finished call: its prompt ids, the engine's Completions, and what was returned
+        for each (chat: the assistant message; completion: the text)."""
+        if self.turns and self._parent(prompt_ids) is None:
+            self.prefix_breaks += 1
+        keys = [message_key(m) for m in messages] if messages is not None else None
+        tools_key = json.dumps(tools, sort_keys=True) if tools else ""
+        call = []
+        for c, reply in zip(completions, replies):
+            t = _Turn(prompt_ids, c, tools_key=tools_key)
+            if keys is not None:
+                t.chat_key = keys + [message_key(reply)]
+            elif isinstance(prompt_text, str):
+                t.text = prompt_text + reply
+            call.append(t)
+        self.turns.append(call)
+
+    def _parent(self, prompt_ids: list[int]) -> _Turn | None:
+        """The latest recorded turn whose prompt + sampled ids begin `prompt_ids`."""
+        return self._parent_before(prompt_ids, len(self.turns))[0]
+
+    @property
+    def calls(self) -> int:
+        return len(self.turns)
+
+    def sample(self, version: int) -> tuple[Sample, dict]:
+        """The episode's training sequence and its counts. `version`: for Completions that
+        carry no version spans (batch mode). An episode without calls is an empty sample."""
+        counts = {"prefix_breaks": self.prefix_breaks, "spliced_calls": self.spliced,
+                  "model_calls": self.calls, "dropped_sampled_tokens": 0}
+        sample = Sample()
+        if not self.turns:
+            return sample, counts
+        chain = [self.turns[-1][0]]
+        at = len(self.turns) - 1
+        while True:  # back through the calls each one extends
+            parent, at = self._parent_before(chain[-1].prompt_ids, at)
+            if parent is None:
+                break
+            chain.append(parent)
+        chain.reverse()
+        done: list[int] = []
+        for t in chain:
+            sample.add_context(t.prompt_ids[len(done):])
+            sample.add_completion(t.completion, version)
+            done = t.ids
+        total = sum(len(t.completion.token_ids) for call in self.turns for t in call)
+        counts["dropped_sampled_tokens"] = total - sum(len(t.completion.token_ids)
+                                                       for t in chain)
+        return sample, counts
+
+    def _parent_before(self, prompt_ids: list[int], at: int) -> tuple[_Turn | None, int]:
+        """The latest turn of calls [0, at) whose prompt + sampled ids begin `prompt_ids`,
+        and its call's index."""
+        for i in range(at - 1, -1, -1):
+            for t in self.turns[i]:
+                ids = t.ids
+                if len(ids) <= len(prompt_ids) and prompt_ids[:len(ids)] == ids:
+                    return t, i
+        return None, -1

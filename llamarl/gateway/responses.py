@@ -1,0 +1,130 @@
+"""OpenAI response bodies from the engine's Completions, with vLLM's own tool-call parsers.
+
+Chat: each choice's text (the sampled ids decoded, special tokens skipped; cut at the first
+stop string, if the request had any) goes through the parser rollout.tool_parser names
+(vllm.tool_parsers: hermes, llama3_json, mistral, ...), when the request has tools and
+tool_choice is not "none". Calls found become the message's `tool_calls` (finish reason
+"tool_calls"), the rest its content. Logprobs, when asked, are the sampled tokens' own
+(top_logprobs empty).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+# response and tool-call ids: unique per process (os.urandom per id cost ~90 us on the CPU box)
+_IDS = itertools.count()
+
+
+def tool_parser(name: str, tokenizer):
+    """An instance of vLLM's parser `name`, or None for "none"; ValueError naming the key
+    for an unknown one."""
+    if name == "none":
+        return None
+    from vllm.tool_parsers import ToolParserManager
+
+    try:
+        cls = ToolParserManager.get_tool_parser(name)
+    except KeyError:
+        names = ", ".join(sorted(ToolParserManager.list_registered()))
+        raise ValueError(f"recipe key 'rollout.tool_parser' = {name!r}: not one of vLLM's "
+                         f"tool parsers ({names}), or none") from None
+    return cls(tokenizer)
+
+
+def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
+    """`text` up to its first stop string, and whether one was found."""
+    at = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+    return (text, False) if at < 0 else (text[:at], True)
+
+
+def _finish(c, stopped: bool) -> str:
+    return "stop" if stopped or c.finish_reason == "stop" else "length"
+
+
+def _logprobs(tokenizer, c) -> list[dict]:
+    out = []
+    for tid, lp in zip(c.token_ids, c.logprobs):
+        tok = tokenizer.decode([tid])
+        out.append({"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")),
+                    "top_logprobs": []})
+    return out
+
+
+def _usage(prompt_ids: list[int], completions: list) -> dict:
+    done = sum(len(c.token_ids) for c in completions)
+    return {"prompt_tokens": len(prompt_ids), "completion_tokens": done,
+            "total_tokens": len(prompt_ids) + done}
+
+
+def chat_message(text: str, parser, tools, tool_choice: str, model: str) -> tuple[dict, bool]:
+    """The assistant message for `text`, and whether it holds tool calls."""
+    if parser is None or not tools or tool_choice == "none":
+        return {"role": "assistant", "content": text}, False
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    request = ChatCompletionRequest(model=model, messages=[{"role": "user", "content": ""}],
+                                    tools=tools, tool_choice=tool_choice)
+    info = parser.extract_tool_calls(text, request)
+    if not info.tools_called:
+        return {"role": "assistant", "content": text}, False
+    calls = [{"id": f"call_{next(_IDS)}", "type": "function",
+              "function": {"name": tc.function.name, "arguments": tc.function.arguments}}
+             for tc in info.tool_calls]
+    return {"role": "assistant", "content": info.content or None, "tool_calls": calls}, True
+
+
+def chat_response(req, prompt_ids, completions, parser, tokenizer, model: str
+                  ) -> tuple[dict, list[dict]]:
+    """The chat.completion body, and each choice's message as the capture keys it (tool
+    call arguments as objects, as requests.py reads them back)."""
+    import json
+
+    choices, keyed = [], []
+    for i, c in enumerate(completions):
+        text, stopped = cut_at_stop(c.text, req.sampling.stop)
+        message, called = chat_message(text, parser, req.tools, req.tool_choice, model)
+        choice = {"index": i, "message": message,
+                  "finish_reason": "tool_calls" if called else _finish(c, stopped),
+                  "logprobs": {"content": _logprobs(tokenizer, c)} if req.sampling.logprobs
+                  else None}
+        choices.append(choice)
+        key = dict(message)
+        if called:
+            key["tool_calls"] = [{"function": {"name": tc["function"]["name"],
+                                               "arguments": _args(tc["function"]["arguments"],
+                                                                  json)}}
+                                 for tc in message["tool_calls"]]
+        keyed.append(key)
+    body = {"id": f"chatcmpl-{next(_IDS)}", "object": "chat.completion",
+            "created": int(time.time()), "model": model, "choices": choices,
+            "usage": _usage(prompt_ids, completions)}
+    return body, keyed
+
+
+def _args(arguments: str, json):
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+
+
+def completion_response(req, prompt_ids, completions, tokenizer, model: str
+                        ) -> tuple[dict, list[str]]:
+    """The text_completion body, and each choice's returned text."""
+    choices, texts = [], []
+    for i, c in enumerate(completions):
+        text, stopped = cut_at_stop(c.text, req.sampling.stop)
+        lps = None
+        if req.sampling.logprobs:
+            toks = [tokenizer.decode([t]) for t in c.token_ids]
+            lps = {"tokens": toks, "token_logprobs": list(c.logprobs),
+                   "top_logprobs": None, "text_offset": None}
+        choices.append({"index": i, "text": text, "finish_reason": _finish(c, stopped),
+                        "logprobs": lps})
+        texts.append(text)
+    body = {"id": f"cmpl-{next(_IDS)}", "object": "text_completion",
+            "created": int(time.time()), "model": model, "choices": choices,
+            "usage": _usage(prompt_ids, completions)}
+    return body, texts

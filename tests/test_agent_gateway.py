@@ -1,0 +1,274 @@
+"""rollout.source = agent: the gateway's request checks, token-exact capture (splicing, chains,
+prefix breaks), vLLM's tool parser, and a live engine serving real `openai` clients in agent
+workers (tests/dist/agent_episodes.py, run once for the module)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from test_multi_turn import chat_tokenizer
+
+from llamarl.gateway.capture import EpisodeCapture, Renderer, message_key
+from llamarl.gateway.requests import (
+    GatewayError,
+    _messages,
+    chat_request,
+    completion_request,
+    parse_json,
+)
+from llamarl.generator.engine import Completion
+from llamarl.rollout.agent_worker import BadResult, agent_result
+
+OK = [{"role": "user", "content": "hi"}]
+WEATHER = [{"type": "function", "function": {
+    "name": "temperature", "parameters": {"type": "object",
+                                          "properties": {"city": {"type": "string"}}}}}]
+
+
+def _refused(fn, *args) -> GatewayError:
+    with pytest.raises(GatewayError) as e:
+        fn(*args)
+    return e.value
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"model": "gpt-9", "messages": OK}, 404, "model"),
+    ({"model": "policy", "messages": OK, "temperature": 0.7}, 400, "temperature"),
+    ({"model": "policy", "messages": OK, "top_p": 0.9}, 400, "top_p"),
+    ({"model": "policy", "messages": OK, "n": 0}, 400, "n"),
+    ({"model": "policy", "messages": OK, "stream": True}, 400, "stream"),
+    ({"model": "policy", "messages": OK, "tool_choice": "required"}, 400, "tool_choice"),
+    ({"model": "policy", "messages": []}, 400, "messages"),
+    ({"model": "policy", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0]"),
+    ({"model": "policy", "messages": OK, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "nonsense"}}}]}, 400,
+     "tools[0].function.parameters"),
+    ({"model": "policy", "messages": OK, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": "not a schema"}}]}, 400, "tools[0].function.parameters"),
+])
+def test_chat_requests_outside_the_training_sampler_or_malformed_are_refused(body, status,
+                                                                             param):
+    e = _refused(chat_request, body, "policy", 1.0)
+    assert (e.status, e.param) == (status, param), e.message
+    assert set(e.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_requests_in_the_training_sampler_are_accepted():
+    req = chat_request({"model": "policy", "messages": OK, "temperature": 1.0, "top_p": 1,
+                        "max_tokens": 9, "max_completion_tokens": 5, "stop": "\n", "n": 2,
+                        "logprobs": True, "tools": WEATHER, "seed": 3}, "policy", 1.0)
+    assert (req.sampling.n, req.sampling.max_tokens, req.sampling.stop) == (2, 5, ["\n"])
+    assert completion_request({"model": "policy", "prompt": [1, 2, 3]}, "policy",
+                              1.0).prompt == [1, 2, 3]
+    assert _refused(parse_json, b"{not json").code == "invalid_json"
+    assert _refused(completion_request, {"model": "policy", "prompt": "x", "echo": True},
+                    "policy", 1.0).param == "echo"
+
+
+def _completion(tok, text: str, eos: bool = True) -> Completion:
+    ids = tok.encode(text, add_special_tokens=False) + ([tok.eos_token_id] if eos else [])
+    return Completion(ids, [-0.5] * len(ids), "stop" if eos else "length", text)
+
+
+def test_chat_calls_splice_the_sampled_ids_and_merge_into_one_sequence():
+    tok = chat_tokenizer()
+    cap = EpisodeCapture(Renderer(tok))
+    ids1 = cap.chat_prompt(OK, None)
+    c1 = _completion(tok, "yo")
+    reply = {"role": "assistant", "content": "yo"}
+    cap.record(ids1, [c1], [reply], messages=OK)
+    history = OK + [reply, {"role": "tool", "content": "12 C"}]
+    ids2 = cap.chat_prompt(history, None)
+    assert ids2[:len(ids1) + 3] == ids1 + c1.token_ids and cap.spliced == 1
+    # the glue continues the conversation exactly as the template renders it
+    assert tok.decode(ids2) == tok.apply_chat_template(history, tokenize=False,
+                                                       add_generation_prompt=True)
+    c2 = _completion(tok, "hot", eos=False)
+    cap.record(ids2, [c2], [{"role": "assistant", "content": "hot"}], messages=history)
+    sample, counts = cap.sample(version=5)
+    assert sample.token_ids == ids2 + c2.token_ids
+    assert [v for v in sample.versions if v >= 0] == [5, 5] and sample.turns == 2
+    assert sample.logprobs == c1.logprobs + c2.logprobs
+    assert counts == {"prefix_breaks": 0, "spliced_calls": 1, "model_calls": 2,
+                      "dropped_sampled_tokens": 0}
+    # an edited history extends no earlier call: a prefix break; the last chain trains
+    edited = [{"role": "user", "content": "hello"}, reply, {"role": "user", "content": "?"}]
+    ids3 = cap.chat_prompt(edited, None)
+    c3 = _completion(tok, "ok")
+    cap.record(ids3, [c3], [{"role": "assistant", "content": "ok"}], messages=edited)
+    sample, counts = cap.sample(version=6)
+    assert sample.token_ids == ids3 + c3.token_ids and sample.turns == 1
+    assert counts["prefix_breaks"] == 1
+    assert counts["dropped_sampled_tokens"] == len(c1.token_ids) + len(c2.token_ids)
+
+
+def test_completion_calls_splice_text_continuations_token_for_token():
+    """The tiny lookup agent's pattern: prompt, then prompt + turn + observation."""
+    from llamarl.tiny.model import build_tokenizer
+
+    tok = build_tokenizer()
+    cap = EpisodeCapture(Renderer(tok))
+    ids1 = cap.text_prompt("ab=")
+    assert ids1 == [tok.bos_token_id] + tok.encode("ab=", add_special_tokens=False)
+    c1 = _completion(tok, "*a")
+    cap.record(ids1, [c1], ["*a"], prompt_text="ab=")
+    ids2 = cap.text_prompt("ab=*a3=")
+    assert ids2 == ids1 + c1.token_ids + tok.encode("3=", add_special_tokens=False)
+    cap.record(ids2, [_completion(tok, "3")], ["3"], prompt_text="ab=*a3=")
+    sample, counts = cap.sample(0)
+    assert sample.turns == 2 and counts["prefix_breaks"] == 0
+
+
+def test_tool_calls_are_parsed_by_vllms_hermes_parser_and_spliced_when_sent_back():
+    from llamarl.gateway.responses import chat_message, tool_parser
+
+    tok = chat_tokenizer()
+    parser = tool_parser("hermes", tok)
+    text = 'Let me see. <tool_call>{"name": "temperature", "arguments": {"city": "Oslo"}}' \
+           '</tool_call>'
+    msg, called = chat_message(text, parser, WEATHER, "auto", "policy")
+    assert called and msg["content"] == "Let me see. "
+    fn = msg["tool_calls"][0]["function"]
+    assert fn["name"] == "temperature" and json.loads(fn["arguments"]) == {"city": "Oslo"}
+    assert chat_message(text, parser, WEATHER, "none", "policy")[0]["content"] == text
+    # what the openai client sends back (arguments as a JSON string) keys as the reply did
+    from llamarl.gateway.requests import ChatRequest, Sampling
+    from llamarl.gateway.responses import chat_response
+
+    req = ChatRequest(OK, WEATHER, "auto", Sampling())
+    _, keyed = chat_response(req, [1], [_completion(tok, text)], parser, tok, "policy")
+    echoed = _messages([{"role": "assistant", "content": msg["content"],
+                         "tool_calls": msg["tool_calls"]}])[0]
+    assert message_key(echoed) == message_key(keyed[0])
+    with pytest.raises(ValueError, match="rollout.tool_parser"):
+        tool_parser("nope", tok)
+
+
+def test_what_an_agent_returns_must_be_a_reward():
+    assert agent_result(1) == (1.0, {})
+    assert agent_result({"reward": 0.5, "metrics": {"calls": 3}}) == (0.5, {"calls": 3.0})
+    for bad in ("sunny", None, float("nan"), True, {"score": 1}, {"reward": 1, "metrics": 3}):
+        with pytest.raises(BadResult):
+            agent_result(bad)
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    """The episodes of tests/dist/agent_episodes.py on a tiny chat model (random weights)."""
+    import torch
+    from conftest import DIST, ROOT, child_env
+    from transformers import Qwen2ForCausalLM
+
+    from llamarl.tiny.model import build_config, save_hf_dir
+
+    tok = chat_tokenizer()
+    config = build_config(len(tok))
+    config.eos_token_id = tok.eos_token_id
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    path = tmp_path_factory.mktemp("chat") / "model"
+    save_hf_dir(path, model.state_dict(), model.config, tok)
+    proc = subprocess.run([sys.executable, str(DIST / "agent_episodes.py"), str(path)],
+                          cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _engine_chain(live, episode: int, calls: list[int]) -> list[int]:
+    return [t for c in calls for t in live["engine"][str(episode)][c]]
+
+
+def test_trained_tokens_are_the_engines_sampled_tokens(live):
+    """Episode ids follow the groups (2 episodes each): chat_tools 0-1, edits_history 2-3,
+    no_model 4-5, fifty_calls 6-7, two_choices 8-9, malformed 10-11, stops 12-13."""
+    for e in (0, 1):  # two chat calls with tools, the second spliced: one sequence
+        assert live["chat_tools"]["sampled"][e] == _engine_chain(live, e, [0, 1])
+    assert live["chat_tools"]["turns"] == [2, 2]
+    assert live["chat_tools"]["finish"][0] != "env_error"
+    for e in (6, 7):  # 50 calls: one sequence of 50 turns
+        assert live["fifty_calls"]["sampled"][e - 6] == _engine_chain(live, e, range(50))
+    assert live["fifty_calls"]["turns"] == [50, 50] and live["fifty_calls"]["rewards"] == [1, 1]
+    # trainer logprobs recomputed from the record match the engine's
+    assert live["max_abs_diff"] <= 1e-3 and live["sampled_tokens"] > 100
+    assert live["versions"] == [3]
+
+
+def test_prefix_breaks_no_calls_and_several_choices(live):
+    m = live["metrics"]
+    for e in (2, 3):  # the edited history: only the last call's chain trains
+        assert live["edits_history"]["sampled"][e - 2] == _engine_chain(live, e, [1])
+    assert m["prefix_breaks"] == 2
+    assert live["no_model"] == {"rewards": [0.25, 0.25], "finish": ["stop", "stop"],
+                                "turns": [0, 0], "sampled": [[], []]}
+    for e in (8, 9):  # n = 2: the first choice trains, the second is dropped (counted)
+        assert live["two_choices"]["sampled"][e - 8] == _engine_chain(live, e, [0])
+    assert live["two_choices"]["rewards"] == [2.0, 2.0]
+    assert m["dropped_sampled_tokens"] == 2 * 4 + 2 * 3
+
+
+def test_malformed_requests_get_openai_errors(live):
+    m = {k.removeprefix("agent_status_"): v / 2 for k, v in live["metrics"].items()
+         if k.startswith("agent_status_")}  # (summed over the group's 2 episodes)
+    assert m == {"bad_json": 400, "unknown_model": 404, "bad_schema": 400, "no_token": 401,
+                 "wrong_token": 401, "temperature": 400, "stream": 400, "unknown_route": 404,
+                 "client_not_found": 404}
+    assert live["malformed"]["rewards"] == [1.0, 1.0]  # GET /v1/models served "policy"
+
+
+def test_stop_strings_cut_the_text_and_keep_the_engines_tokens(live):
+    for e in (12, 13):
+        assert live["stops"]["sampled"][e - 12] == _engine_chain(live, e, [0, 1])
+    assert live["stops"]["rewards"] == [1.0, 1.0]  # no stop string in the returned text
+
+
+def test_failing_agents_fail_their_episode_never_the_run(live):
+    f = live["failing"]  # exits (its own worker), hangs, raises, not a number, no model
+    assert f["rewards"] == [[0.0], [0.0], [0.0], [0.0], [0.25]]
+    assert f["finish"][:4] == [["env_error"]] * 4 and f["finish"][4] == ["stop"]
+    assert f["metrics"]["agent_timeouts"] == 1 and f["metrics"]["agent_errors"] == 3
+    assert f["restarts"] == 1 and f["seconds"] < 10
+    assert live["async"]["rewards"] == [[0.75, 0.75], [0.75, 0.75]]
+    # every episode of a batch failing is a broken agent: the run stops, naming the error
+    assert "every episode of the batch failed" in live["all_fail"]["error"]
+    assert "KeyError" in live["all_fail"]["error"]
+
+
+def test_the_docs_example_agent_runs_as_written(live):
+    doc = live["docs_example"]  # docs/agents.md's weather_agent, copied out of the page
+    assert doc["rewards"] == [[1.0, 1.0]], doc  # (the test rows' answer is "")
+    assert doc["metrics"]["agent_errors"] == 0 and doc["metrics"]["model_calls"] >= 2
+
+
+def test_an_openai_agents_sdk_agent_trains_through_the_gateway(live):
+    pytest.importorskip("agents")
+    sdk = live["sdk"]
+    assert sdk["rewards"] == [[1.0, 1.0]], sdk
+    assert sdk["metrics"]["model_calls"] >= 2 and sdk["metrics"]["agent_errors"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [[], ["generator.mode=continuous", "sync.max_staleness=1"]],
+                         ids=["batch", "continuous"])
+def test_agent_recipe_trains_through_the_launcher(tmp_path, cache_dir, mode):
+    """recipes/tiny_agent_cpu.yaml as a user launches it (3 ranks), in batch and continuous
+    generation: agent episodes reach the trainer with the agent metrics, and the run ends
+    without a traceback (calls of episodes stopped with the run are answered, not cancelled).
+    (Learning itself is measured in docs/agents.md.)"""
+    from conftest import torchrun
+
+    proc = torchrun(3, ["-m", "llamarl.launch", "recipes/tiny_agent_cpu.yaml", "run.steps=3",
+                        "run.eval_every=0", "data.eval_prompts=16", f"run.output_dir={tmp_path}",
+                        *mode], timeout=900, LLAMARL_CACHE=str(cache_dir))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "Traceback" not in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-4000:]
+    run = next(p for p in tmp_path.iterdir() if p.is_dir())
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3
+    for row in rows:
+        assert row["model_calls_per_episode"] >= 1 and row["agent_errors"] == 0
+        assert row["prefix_breaks"] == 0 and 0 < row["masked_response_share"] < 1
+        assert sum(v for k, v in row.items() if k.startswith("episodes_")) == 32 * 8
+    assert any(row["agent_tool_calls"] > 0 for row in rows)

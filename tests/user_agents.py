@@ -1,0 +1,164 @@
+"""Agents for the gateway tests (tests/test_agent_gateway.py, tests/dist/agent_episodes.py):
+real `openai` clients against a live engine. `scenario` dispatches on the row's "kind"."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import httpx
+import openai
+
+WEATHER = [{"type": "function", "function": {
+    "name": "temperature", "description": "The temperature in a city, in C.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+
+
+def chat_tools(client, row):
+    """Two chat calls with tools; the history grows by the returned assistant message and a
+    tool result (what an agent loop does), so the second call is spliced."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Oslo?"}]
+    for i in range(2):
+        out = client.chat.completions.create(model="policy", messages=messages,
+                                             tools=WEATHER, max_tokens=4, logprobs=True)
+        msg = out.choices[0].message
+        messages.append(msg.model_dump(exclude_none=True))
+        messages.append({"role": "tool", "tool_call_id": f"t{i}", "content": f"{10 + i} C"})
+    return {"reward": float(len(out.choices[0].logprobs.content)),
+            "metrics": {"prompt_tokens": out.usage.prompt_tokens}}
+
+
+def edits_history(client, row):
+    """The second call rewrites the user's message: a prefix break."""
+    first = [{"role": "user", "content": row["prompt"]}]
+    out = client.chat.completions.create(model="policy", messages=first, max_tokens=4)
+    edited = [{"role": "user", "content": "Edited: " + row["prompt"]},
+              {"role": "assistant", "content": out.choices[0].message.content},
+              {"role": "user", "content": "and?"}]
+    client.chat.completions.create(model="policy", messages=edited, max_tokens=4)
+    return 0.5
+
+
+def no_model(client, row):
+    return 0.25
+
+
+def fifty_calls(client, row):
+    """50 completion calls of one token each, the text growing by each: one sequence."""
+    text = row["prompt"]
+    for _ in range(50):
+        out = client.completions.create(model="policy", prompt=text, max_tokens=1)
+        text += out.choices[0].text
+    return 1.0
+
+
+def two_choices(client, row):
+    out = client.chat.completions.create(model="policy", n=2, max_tokens=3,
+                                         messages=[{"role": "user", "content": row["prompt"]}])
+    return float(len(out.choices))
+
+
+def stops(client, row):
+    """Stop strings: the text comes back cut before them; sent back, the call is spliced
+    onto the engine's tokens (the stop string's included)."""
+    stop = [" ", "e", "a", "o"]
+    out = client.completions.create(model="policy", prompt="hello", max_tokens=8, stop=stop)
+    text = out.choices[0].text
+    client.completions.create(model="policy", prompt="hello" + text + "!", max_tokens=2)
+    return {"reward": float(not any(s in text for s in stop)),
+            "metrics": {"stopped": float(out.choices[0].finish_reason == "stop")}}
+
+
+async def async_agent(client, row):
+    out = await client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": row["prompt"]}], max_tokens=3)
+    return 0.75 if out.choices[0].message.role == "assistant" else 0.0
+
+
+async def sdk_agent(client, row):
+    """The OpenAI Agents SDK (openai-agents) on the gateway: its chat-completions model with
+    the episode's client, a function tool, the SDK's own run loop."""
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)  # (it would export traces to OpenAI)
+
+    @function_tool
+    def temperature(city: str) -> str:
+        """The temperature in a city."""
+        return "4 C"
+
+    agent = Agent(name="weather", instructions="Be brief.", tools=[temperature],
+                  model=OpenAIChatCompletionsModel(model="policy", openai_client=client),
+                  model_settings=ModelSettings(max_tokens=4))
+    result = await Runner.run(agent, "Oslo?", max_turns=3)
+    return 1.0 if isinstance(result.final_output, str) else 0.0
+
+
+def hangs(client, row):
+    time.sleep(3600)
+
+
+def raises(client, row):
+    raise KeyError("no such city")
+
+
+def not_a_number(client, row):
+    return "sunny"
+
+
+def exits(client, row):
+    os._exit(3)
+
+
+def malformed(client, row):
+    """Bad requests, raw over HTTP: each status in the metrics."""
+    url, key = str(client.base_url).rstrip("/"), client.api_key
+    auth = {"Authorization": f"Bearer {key}"}
+    ok_msgs = [{"role": "user", "content": "hi"}]
+    with httpx.Client(trust_env=False, timeout=30) as http:
+        def post(path, body, headers=auth, raw=None):
+            r = http.post(url + path, headers={**headers, "Content-Type": "application/json"},
+                          content=raw if raw is not None else json.dumps(body))
+            assert "error" in r.json() and "message" in r.json()["error"], r.text
+            return r.status_code
+        statuses = {
+            "bad_json": post("/chat/completions", None, raw=b"{not json"),
+            "unknown_model": post("/chat/completions", {"model": "gpt-9", "messages": ok_msgs}),
+            "bad_schema": post("/chat/completions", {
+                "model": "policy", "messages": ok_msgs, "tools": [{"type": "function",
+                "function": {"name": "f", "parameters": {"type": "nonsense"}}}]}),
+            "no_token": post("/chat/completions", {"model": "policy", "messages": ok_msgs},
+                             headers={}),
+            "wrong_token": post("/completions", {"model": "policy", "prompt": "x"},
+                                headers={"Authorization": "Bearer sk-wrong"}),
+            "temperature": post("/completions", {"model": "policy", "prompt": "x",
+                                                 "temperature": 0.3}),
+            "stream": post("/completions", {"model": "policy", "prompt": "x", "stream": True}),
+            "unknown_route": http.get(url + "/nope", headers=auth).status_code,
+        }
+        models = http.get(url + "/models", headers=auth).json()
+    # the real client raises its own errors with the gateway's message
+    try:
+        client.chat.completions.create(model="gpt-9", messages=ok_msgs)
+    except openai.NotFoundError as e:
+        statuses["client_not_found"] = e.status_code
+    return {"reward": 1.0 if models["data"][0]["id"] == "policy" else 0.0,
+            "metrics": {f"status_{k}": float(v) for k, v in statuses.items()}}
+
+
+AGENTS = {f.__name__: f for f in (chat_tools, edits_history, no_model, fifty_calls,
+                                  two_choices, hangs, raises, not_a_number, exits, malformed,
+                                  stops)}
+
+
+def scenario(client, row):
+    return AGENTS[row["kind"]](client, row)
