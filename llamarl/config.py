@@ -313,6 +313,10 @@ class SyncConfig:
     # filesystem but no process group), or the import path of a module of your own.
     transport: str = "torch"
     transport_dir: str = ""  # filesystem transport: a directory all ranks see (default: run's)
+    # A step whose mismatch_kl (engine vs trainer logprobs of the samples) exceeds this factor
+    # x the run's usual (the median of the earlier steps, at least 0.01) is reported in one
+    # line with the likely causes (trainer/metrics.py: MismatchWatch); 0 = never.
+    mismatch_warn: float = 10.0
     # Engines of generator.tp > 1: from the second sync on, send each tp rank only the part of
     # each tensor it loads (its rows or columns, found on the first sync); false: everything.
     reshard: bool = True
@@ -419,6 +423,7 @@ def validate(cfg: Config) -> Config:
                        "trainer.max_tokens_per_micro_batch":
                        cfg.trainer.max_tokens_per_micro_batch,
                        "generator.threads": cfg.generator.threads,
+                       "sync.mismatch_warn": cfg.sync.mismatch_warn,
                        "generator.kv_cache_gib": cfg.generator.kv_cache_gib,
                        "generator.max_num_seqs": cfg.generator.max_num_seqs,
                        "generator.in_flight_sequences": cfg.generator.in_flight_sequences,

@@ -201,11 +201,12 @@ class Engine:
 
     `sequences`: the most sequences one generate call runs (sizes the KV cache and vLLM's
     max_num_seqs; default: one training batch of this engine). `threads`: torch/OpenMP threads
-    for generation on CPU (0 = leave as launched)."""
+    for generation on CPU (0 = leave as launched). `load_format`: vLLM's; "dummy" reads no
+    weights from `model_path` (placeholders until the first weight sync)."""
 
     def __init__(self, model_path: str, cfg: GeneratorConfig, dtype: str, seed: int,
                  on_cpu: bool, world: EngineWorld | None = None, sequences: int = 0,
-                 engines_on_host: int = 1, threads: int = 0):
+                 engines_on_host: int = 1, threads: int = 0, load_format: str = "auto"):
         prepare_environment(world, on_cpu)
         if on_cpu:
             disable_onednn_prepack()
@@ -259,7 +260,8 @@ class Engine:
                     max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager,
                     worker_extension_cls=WORKER_EXTENSION, logprobs_mode="processed_logprobs",
                     enable_prefix_caching=self.prefix_caching,
-                    max_num_seqs=cfg.max_num_seqs or sequences, **memory, **extra)
+                    max_num_seqs=cfg.max_num_seqs or sequences, load_format=load_format,
+                    **memory, **extra)
         except Exception as e:  # vLLM's own words name none of the recipe's keys
             raise RuntimeError(f"the vLLM engine did not start: {self._meaning(e)} "
                                f"({_first_line(e)})") from e

@@ -40,7 +40,7 @@ from llamarl.rollout.source import rollout_metrics
 from llamarl.timeline import Timeline
 from llamarl.trainer import checkpoint
 from llamarl.trainer.critic import build_critic
-from llamarl.trainer.metrics import MetricsLog
+from llamarl.trainer.metrics import MetricsLog, MismatchWatch
 from llamarl.trainer.policy import DTYPES, load_policy
 from llamarl.trainer.reward_model import build_reward_model
 from llamarl.trainer.rl_step import policy_step
@@ -164,6 +164,7 @@ def run_trainer(rt: Runtime) -> None:
                                              for ch in channels))
     metrics = (MetricsLog(rt.run_dir / "metrics.jsonl", kl_ref=reference is not None,
                           resumed_at=rt.resume.get("step")) if r == 0 else None)
+    mismatch = MismatchWatch(cfg.sync.mismatch_warn)
     log(rt, f"policy {model_path} sharded over {T} trainer rank(s); "
             f"sends {sender.bytes_per_sync / 2**20:.2f} MiB of shards per weight sync in "
             f"{len(sender.buckets)} bucket(s), {sum(sender.direct)} of them straight from the "
@@ -184,7 +185,11 @@ def run_trainer(rt: Runtime) -> None:
         log(rt, f"resumed from {resume['checkpoint']} at step {meta['step']}")
         if r == 0:  # only now: a resume that fails leaves the run's files as they were
             write_run_files(rt, model_path)
-        sender.publish(model, version)  # generators continue from the restored policy
+    # The engines start with placeholder weights (vLLM's dummy load, generator/loop.py) and
+    # take their first ones from here, new run or resumed: they sample from exactly the
+    # trainer's policy whatever vLLM would have read from disk (a checkpoint with tied
+    # embeddings stored as lm_head.weight alone loads in transformers, not in vLLM).
+    sender.publish(model, version)
     run_t0 = time.perf_counter()
     # step_time_s is the period from one step's row to the next: the parts below plus the
     # trainer's own work between them (writing the row, logging, TensorBoard), so that the
@@ -300,6 +305,9 @@ def run_trainer(rt: Runtime) -> None:
             metrics.write(row)
             if (step + 1) % cfg.run.log_every == 0 or last:
                 log(rt, metrics.line(row, cfg.run.steps))
+            alarm = mismatch.check(row)
+            if alarm is not None:
+                log(rt, alarm)
         if last:
             break
 
