@@ -360,7 +360,7 @@ class Config:
 
 
 # The built-in reward functions (llamarl/rewards/registry.py implements them).
-BUILTIN_REWARDS = ("reverse_match", "exact_match", "gsm8k", "boxed", "format")
+BUILTIN_REWARDS = ("reverse_match", "exact_match", "gsm8k", "numeric", "boxed", "format")
 
 _CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
