@@ -34,6 +34,10 @@ class RunConfig:
     steps: int = 10  # trainer optimizer steps (one rollout batch each)
     eval_every: int = 0  # 0: evaluate only before and after training
     log_every: int = 1
+    # Training samples per step written to RUN_DIR/samples/train.jsonl for a person to read
+    # (prompt, completion, tokens, reward, finish reason; llamarl/generator/samples.py); every
+    # evaluation writes all its samples to RUN_DIR/samples/eval_<step>.jsonl. 0 = none.
+    samples_per_step: int = 4
     # trainer steps between sharded checkpoints (and one at the end); 0 = none. A job the
     # launcher restarts resumes from the newest by itself (docs/operations.md)
     checkpoint_every: int = 50
@@ -419,6 +423,7 @@ def validate(cfg: Config) -> Config:
     for key, value in {"run.eval_every": cfg.run.eval_every,
                        "run.checkpoint_every": cfg.run.checkpoint_every,
                        "run.keep_checkpoints": cfg.run.keep_checkpoints,
+                       "run.samples_per_step": cfg.run.samples_per_step,
                        "trainer.warmup_steps":
                        cfg.trainer.warmup_steps, "sync.max_staleness": cfg.sync.max_staleness,
                        "trainer.threads": cfg.trainer.threads,

@@ -44,6 +44,7 @@ from llamarl.generator.continuous import run_continuous
 from llamarl.generator.cpu_fixes import cpu_shm_prefix, unlink_cpu_shm
 from llamarl.generator.engine import Engine, EngineWorld, import_vllm, sampler_seed
 from llamarl.generator.evaluate import Evaluator
+from llamarl.generator.samples import append_rows, sample_rows
 from llamarl.generator.slots import SlotSet
 from llamarl.generator.tp import EngineCommands, follow_leader
 from llamarl.generator.weights import WeightFollower, fresh_version
@@ -340,6 +341,10 @@ def sample_batch(rt: Runtime, source: RolloutSource, draw, version: int,
 
     groups, ds = collect_groups(draw, sample, per_engine, g.dynamic_sampling,
                                 g.max_sampling_rounds)
+    if cfg.run.samples_per_step and e == 0:  # a few for a person to read (generator/samples.py)
+        append_rows(rt.run_dir / "samples" / "train.jsonl",
+                    sample_rows(groups, source.ctx.tokenizer, step + 1, "train",
+                                cfg.run.samples_per_step))
     rounds = g.max_sampling_rounds if g.dynamic_sampling else 1
     batch = _to_batch(groups, e, step, per_engine * rounds)
     n = len(batch)
