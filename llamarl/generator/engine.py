@@ -40,6 +40,7 @@ from llamarl.generator.kv_cache import (
     plan_kv_cache,
     sequence_bytes,
 )
+from llamarl.generator.log_hygiene import quiet_third_party
 from llamarl.generator.sampled_logprobs import SampledLogprobCapture
 from llamarl.generator.tp import EngineCommands, spmd
 from llamarl.parallel.transports.base import TransportSpec
@@ -193,7 +194,9 @@ def import_vllm(world: EngineWorld | None, on_cpu: bool) -> None:
     at engine start, set names the patched modules look up at each call, so they take effect
     after the import too."""
     prepare_environment(world, on_cpu)
+    quiet_third_party()
     from vllm import LLM  # noqa: F401
+    quiet_third_party()  # (vLLM's log handlers exist now)
 
 
 class Engine:
