@@ -1,6 +1,7 @@
 """model.path smollm2:135m-instruct: a cached conversion is used offline; without a cached one
 and no reachable registry the error is one line naming what to fetch and where to put it.
-(The conversion itself: tests/test_gguf.py; the real model end to end: tests/test_smollm2_e2e.py.)"""
+(The conversion itself: tests/test_gguf.py; the real model end to end:
+tests/test_smollm2_e2e.py.)"""
 
 from __future__ import annotations
 

@@ -115,3 +115,4 @@ def test_mismatch_far_beyond_the_runs_usual_is_reported_once_per_step():
     assert watch.check(row(12, 0.05)) is None  # 250x the median but under 10x the floor
     assert watch.check(row(13, 0.2)) is not None
     assert MismatchWatch(0.0).check(row(1, 100.0)) is None  # 0: off
+
