@@ -12,10 +12,14 @@ TB_FLUSH_S = 10  # TensorBoard shows a running job's scalars at most this late
 
 
 def truncate_after(run_dir: Path, step: int) -> int:
-    """Resuming at `step`: drop the rows of metrics.jsonl and eval.jsonl beyond it (they are
-    about to be produced again), so each step appears once. Returns the rows dropped."""
+    """Resuming at `step`: drop the rows of metrics.jsonl, eval.jsonl and samples/train.jsonl
+    beyond it, and the evaluations' samples/eval_<k>.jsonl of k > step (they are about to be
+    produced again), so each step appears once. Returns the rows dropped (metrics and eval)."""
+    for path in Path(run_dir).glob("samples/eval_*.jsonl"):
+        if int(path.stem.removeprefix("eval_")) > step:
+            path.unlink()
     dropped = 0
-    for name in ("metrics.jsonl", "eval.jsonl"):
+    for name in ("metrics.jsonl", "eval.jsonl", "samples/train.jsonl"):
         path = Path(run_dir) / name
         if not path.is_file():
             continue
@@ -24,11 +28,10 @@ def truncate_after(run_dir: Path, step: int) -> int:
             try:
                 row_step = json.loads(line)["step"]
             except (ValueError, KeyError, TypeError):  # a line torn by the crash
-                dropped += 1
-                continue
+                row_step = step + 1
             if row_step <= step:
                 keep.append(line)
-            else:
+            elif name != "samples/train.jsonl":
                 dropped += 1
         path.write_text("".join(x + "\n" for x in keep))
     return dropped
