@@ -196,7 +196,6 @@ def import_vllm(world: EngineWorld | None, on_cpu: bool) -> None:
     prepare_environment(world, on_cpu)
     quiet_third_party()
     from vllm import LLM  # noqa: F401
-    quiet_third_party()  # (vLLM's log handlers exist now)
 
 
 class Engine:
