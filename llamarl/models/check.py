@@ -49,6 +49,12 @@ def check(model_dir: str, max_tokens: int = 12) -> str | None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    # Started from a trainer rank under torchrun (models/smollm2.py), this process inherits
+    # the rank's launcher variables: vLLM's one-rank world must not read them (nor torchrun's
+    # agent store), as in generator/engine.prepare_environment.
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"):
+        os.environ.pop(key, None)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
