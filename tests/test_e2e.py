@@ -222,10 +222,10 @@ def test_plot_writes_charts_and_a_chrome_trace(finished_run):
 # (test_resume.py), tiny_grpo_tp2_cpu.yaml (test_tp.py, test_file_transport.py),
 # tiny_grpo_async_cpu.yaml (test_async_e2e.py), tiny_distill_cpu.yaml (test_distill.py, with a
 # teacher built in the test: the recipe's own teacher takes minutes to train),
-# tiny_agent_cpu.yaml (test_agent_gateway.py).
+# tiny_agent_cpu.yaml (test_agent_gateway.py), smollm2_add_cpu.yaml (test_smollm2_e2e.py).
 ELSEWHERE = {"tiny_tool_cpu.yaml", "tiny_grpo_cpu.yaml", "tiny_ppo_cpu.yaml",
              "tiny_grpo_tp2_cpu.yaml", "tiny_grpo_async_cpu.yaml", "tiny_distill_cpu.yaml",
-             "tiny_agent_cpu.yaml"}
+             "tiny_agent_cpu.yaml", "smollm2_add_cpu.yaml"}
 CPU_RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*_cpu.yaml")
                      if p.name not in ELSEWHERE)
 
@@ -234,7 +234,7 @@ def test_every_cpu_recipe_is_launched_by_some_test():
     """Each recipe kept out of the list below runs in the test named above."""
     tests = {name: (ROOT / "tests" / name).read_text() for name in
              ("test_multi_turn.py", "test_resume.py", "test_tp.py", "test_async_e2e.py",
-              "test_distill.py", "test_agent_gateway.py")}
+              "test_distill.py", "test_agent_gateway.py", "test_smollm2_e2e.py")}
     for recipe in ELSEWHERE - {"tiny_grpo_cpu.yaml"}:  # (RECIPE, in this file)
         assert any(f"recipes/{recipe}" in text for text in tests.values()), recipe
     assert RECIPE == "recipes/tiny_grpo_cpu.yaml"
@@ -287,6 +287,22 @@ def test_setup_failure_on_rank_0_is_one_line_on_every_rank(override, expected):
     assert f"stopping: rank 0 (trainer 0): {expected[:40]}" in proc.stderr, proc.stderr[-3000:]
     assert "llamarl/launch/runtime.py" not in proc.stderr  # no traceback of ours
     assert time.monotonic() - t0 < 60
+
+
+def test_a_self_launched_failure_ends_with_llamarls_line_not_torchruns_summary():
+    """`python -m llamarl.launch` runs torchrun itself: a failed run's output ends with the
+    ranks' one-line causes, without torchrun's ChildFailedError traceback, its summary of
+    every rank's exit, or its OMP_NUM_THREADS banner."""
+    proc = subprocess.run([sys.executable, "-m", "llamarl.launch", RECIPE,
+                           "run.output_dir=/proc/llamarl-test"], cwd=ROOT, env=child_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert lines[0].startswith("llamarl: launching 3 local ranks: torchrun --standalone")
+    assert all(line.startswith("llamarl: ") for line in lines), proc.stderr[-3000:]
+    assert "choose a writable run.output_dir" in lines[-1]
+    for noise in ("ChildFailedError", "Traceback", "Root Cause", "OMP_NUM_THREADS", "****"):
+        assert noise not in proc.stderr + proc.stdout, noise
 
 
 def _slurm_rank(rank: int, job: int, port: int, out: Path, cache_dir, steps: int = 2):

@@ -84,7 +84,16 @@ def test_resume_truncates_rows_after_the_checkpoint(tmp_path):
         "".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3, 4)) + '{"step": 5, "rew')
     (tmp_path / "eval.jsonl").write_text(
         "".join(json.dumps({"step": s}) + "\n" for s in (0, 2, 4)))
+    samples = tmp_path / "samples"
+    samples.mkdir()
+    (samples / "train.jsonl").write_text(
+        "".join(json.dumps({"step": s, "kind": "train"}) + "\n" for s in (1, 1, 2, 3)))
+    for s in (0, 2, 4):
+        (samples / f"eval_{s}.jsonl").write_text(json.dumps({"step": s}) + "\n")
     assert truncate_after(tmp_path, 2) == 4  # steps 3, 4, the torn line, eval step 4
     rows = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     evals = [json.loads(x)["step"] for x in (tmp_path / "eval.jsonl").read_text().splitlines()]
     assert rows == [1, 2] and evals == [0, 2]
+    train = [json.loads(x)["step"] for x in (samples / "train.jsonl").read_text().splitlines()]
+    assert train == [1, 1, 2]
+    assert sorted(p.name for p in samples.glob("eval_*")) == ["eval_0.jsonl", "eval_2.jsonl"]

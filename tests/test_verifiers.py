@@ -10,9 +10,11 @@ from llamarl.rewards.shaping import overlong_penalty
 from llamarl.rewards.verifiers import (
     FormatReward,
     boxed,
+    final_number,
     gsm8k,
     gsm8k_number,
     last_boxed,
+    numeric,
     parse_number,
 )
 
@@ -139,3 +141,24 @@ def test_without_dynamic_sampling_everything_is_kept_in_one_round():
     groups, stats = collect_groups(_stream(), sample, want=3, dynamic=False, max_rounds=4)
     assert [g.prompt for g in groups] == [0, 1, 2] and len(calls) == 1
     assert stats == {"ds_rounds": 1, "ds_dropped_groups": 0, "ds_filled_groups": 0}
+
+
+def test_numeric_reads_the_last_number_or_the_tagged_answer():
+    for text, value in (("85", 85.0), ("The answer is 85.", 85.0), ("47 + 38 = 85", 85.0),
+                        ("1,000", 1000.0), ("It is -3", -3.0), ("x=-3", -3.0), ("12.0", 12.0),
+                        ("$18", 18.0), ("5-3", 3.0), ("1, 2", 2.0),
+                        ("<answer>1,000</answer> and then 7", 1000.0)):
+        assert final_number(text) == value, text
+    for text in ("no number", "<answer>eighty</answer> 85", ""):
+        assert final_number(text) is None, text
+
+
+def test_numeric_reward():
+    assert numeric("47 + 38 = 85", "85", "What is 47 + 38?") == 1.0
+    assert numeric("85.0", "85", "") == 1.0
+    assert numeric("The sum is 1,000.", "1000", "") == 1.0
+    assert numeric("-3", "-3", "") == 1.0 and numeric("3", "-3", "") == 0.0
+    assert numeric("85 or 86", "85", "") == 0.0  # the last number counts
+    assert numeric("I think 84", SOLUTION.replace("72", "84"), "") == 1.0  # GSM8K reference
+    assert numeric("nothing", "85", "") == 0.0
+    assert resolve_builtin("numeric", "") is numeric

@@ -26,13 +26,28 @@ import os
 from pathlib import Path
 
 
+def _no_sgl_kernel(n: int, k: int, dtype) -> bool:
+    return False
+
+
 def disable_onednn_prepack() -> None:
+    """Keep plain linear weights (module docstring): no oneDNN prepack, and no prepack for
+    vLLM's SGL kernel either, which it picks on CPUs with AMX for bfloat16/float16 weights of
+    up to 1 MiB (SmolLM2-135M's attention projections in bfloat16: the first weight sync
+    then failed with 'Attempted to load weight (torch.Size([576, 576])) into parameter
+    (torch.Size([0]))')."""
     try:
         import vllm._custom_ops as ops
     except ImportError:  # GPU builds without the CPU ops, or no vLLM: nothing to do
         return
     if hasattr(ops, "_supports_onednn"):
         ops._supports_onednn = False
+    try:
+        from vllm.model_executor.layers import utils as layer_utils
+    except ImportError:
+        return
+    if hasattr(layer_utils, "check_cpu_sgl_kernel"):  # looked up at each call
+        layer_utils.check_cpu_sgl_kernel = _no_sgl_kernel
 
 
 def _count_greater_or_equal(x, values):

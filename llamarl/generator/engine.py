@@ -41,6 +41,7 @@ from llamarl.generator.kv_cache import (
     plan_kv_cache,
     sequence_bytes,
 )
+from llamarl.generator.log_hygiene import quiet_third_party
 from llamarl.generator.sampled_logprobs import SampledLogprobCapture
 from llamarl.generator.tp import EngineCommands, spmd
 from llamarl.parallel.transports.base import TransportSpec
@@ -249,6 +250,7 @@ def import_vllm(world: EngineWorld | None, on_cpu: bool) -> None:
     at engine start, set names the patched modules look up at each call, so they take effect
     after the import too."""
     prepare_environment(world, on_cpu)
+    quiet_third_party()
     from vllm import LLM  # noqa: F401
 
     warn_if_other_vllm()
@@ -259,11 +261,12 @@ class Engine:
 
     `sequences`: the most sequences one generate call runs (sizes the KV cache and vLLM's
     max_num_seqs; default: one training batch of this engine). `threads`: torch/OpenMP threads
-    for generation on CPU (0 = leave as launched)."""
+    for generation on CPU (0 = leave as launched). `load_format`: vLLM's; "dummy" reads no
+    weights from `model_path` (placeholders until the first weight sync)."""
 
     def __init__(self, model_path: str, cfg: GeneratorConfig, dtype: str, seed: int,
                  on_cpu: bool, world: EngineWorld | None = None, sequences: int = 0,
-                 engines_on_host: int = 1, threads: int = 0):
+                 engines_on_host: int = 1, threads: int = 0, load_format: str = "auto"):
         prepare_environment(world, on_cpu)
         if on_cpu:
             disable_onednn_prepack()
@@ -322,7 +325,8 @@ class Engine:
                     max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager,
                     worker_extension_cls=WORKER_EXTENSION, logprobs_mode="processed_logprobs",
                     enable_prefix_caching=self.prefix_caching,
-                    max_num_seqs=cfg.max_num_seqs or sequences, **memory, **extra)
+                    max_num_seqs=cfg.max_num_seqs or sequences, load_format=load_format,
+                    **memory, **extra)
         except Exception as e:  # vLLM's own words name none of the recipe's keys
             raise RuntimeError(f"the vLLM engine did not start: {self._meaning(e)} "
                                f"({_first_line(e)})") from e

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 
 from llamarl.generator.engine import sampler_seed
+from llamarl.generator.samples import append_rows, sample_rows
 from llamarl.launch.roster import Roster
 from llamarl.launch.runtime import Runtime, log
 from llamarl.rollout.source import RolloutSource
@@ -19,7 +20,8 @@ class Evaluator:
     its own, and a lost engine's that it took over); the first live engine aggregates and
     appends to eval.jsonl. The reward is the training reward without shaping (no overlong
     penalty) and, with reward.model_placement = trainer, without the reward model (it is not
-    loaded here)."""
+    loaded here). Every held-out sample goes to RUN_DIR/samples/eval_<step>.jsonl
+    (generator/samples.py)."""
 
     def __init__(self, rt: Runtime, source: RolloutSource,
                  held_out: Callable[[], dict[int, list]]):
@@ -44,6 +46,10 @@ class Evaluator:
                                              sampler_seed(seed, "greedy", step, slot), version)
                 s = sum(r for grp in sampled.groups for r in grp.rewards)
                 gr = sum(r for grp in greedy.groups for r in grp.rewards)
+                tok = self.source.ctx.tokenizer
+                rows = (sample_rows(sampled.groups, tok, step, "sampled")
+                        + sample_rows(greedy.groups, tok, step, "greedy"))
+                rt.store.set(f"eval/{step}/{slot}/samples", json.dumps(rows))
                 # multi-turn: the sampled episodes' tool calls
                 results[slot] = [s, len(prompts) * n, gr, len(prompts),
                                  sampled.metrics.get("tool_calls", 0.0)]
@@ -70,6 +76,12 @@ class Evaluator:
                                              / max(sum(p[1] for p in parts), 1))
         with open(rt.run_dir / "eval.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
+        for slot in range(rt.layout.engines):  # (generator/samples.py)
+            if slot not in missing:
+                key = f"eval/{step}/{slot}/samples"
+                append_rows(rt.run_dir / "samples" / f"eval_{step}.jsonl",
+                            json.loads(rt.store.get(key)))
+                rt.store.delete_key(key)
         rt.store.set(f"eval/result/{step}", json.dumps(row))
         calls = (f", {row['tool_calls_per_episode']:.2f} tool calls per episode"
                  if "tool_calls_per_episode" in row else "")

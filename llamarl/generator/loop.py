@@ -46,6 +46,7 @@ from llamarl.generator.continuous import run_continuous
 from llamarl.generator.cpu_fixes import cpu_shm_prefix, unlink_cpu_shm
 from llamarl.generator.engine import Engine, EngineWorld, import_vllm, sampler_seed
 from llamarl.generator.evaluate import Evaluator
+from llamarl.generator.samples import append_rows, sample_rows
 from llamarl.generator.slots import SlotSet
 from llamarl.generator.tp import EngineCommands, follow_leader
 from llamarl.generator.weights import WeightFollower, fresh_version
@@ -189,6 +190,7 @@ def rejoin(rt: Runtime, weights: WeightFollower, first_sync: int) -> None:
     weights.received = first_sync
     version = int(rt.wait_key(f"wsync/version/{first_sync}"))
     weights.resumed_at(version)  # evaluations resume at the next eval point
+    weights.load_first()  # (its engine holds placeholder weights until then)
     if weights.follow(need=version):
         ranks = rt.layout.engine_global_ranks(rt.role.index)
         if Roster(rt.store, rt.layout.engines).rejoin(rt.role.index, ranks) is None:
@@ -239,10 +241,14 @@ def run_engine(rt: Runtime, data: PromptData, model_path: str, threads: int, t0:
     leader) or follow the leader's engine calls (its other tp ranks)."""
     cfg, g, e = rt.cfg, rt.cfg.generator, rt.role.index
     leader = rt.role.is_engine_leader
+    # Placeholder weights (vLLM's dummy load): the engine reads none of the checkpoint's
+    # tensors, and takes its first weights from the trainers (WeightFollower.load_first,
+    # before it generates or evaluates anything), so it samples from exactly the trainer's
+    # policy even where vLLM would read the checkpoint otherwise than transformers does.
     engine = Engine(model_path, g, cfg.model.dtype, seed=cfg.run.seed + e, on_cpu=rt.on_cpu,
                     world=world, sequences=largest_call(rt, len(data.held_out)),
                     engines_on_host=local_ranks(rt.layout, rt.role.rank, "generator"),
-                    threads=threads)
+                    threads=threads, load_format="dummy")
     log(rt, f"vLLM engine up in {time.perf_counter() - t0:.1f} s ({model_path}"
             + (f", {threads} threads" if threads else "") + ")")
     if leader and engine.kv is not None:
@@ -289,7 +295,9 @@ def lead(rt: Runtime, engine: Engine, data: PromptData, model_path: str,
         rejoin(rt, weights, first_sync)
     elif b:  # resuming: the slots continue the prompt order right after the last batch trained
         weights.resumed_at(b)
+        weights.load_first()  # the restored policy (version b)
     else:
+        weights.load_first()  # the trainer's starting weights (version 0)
         evaluator.run(step=0, version=0)
     prefer_fresh = cfg.sync.prefer_fresh and k >= 2 and not cfg.sync.deterministic
 
@@ -364,6 +372,10 @@ def sample_batch(rt: Runtime, source: RolloutSource, draw, version: int,
 
     groups, ds = collect_groups(draw, sample, per_engine, g.dynamic_sampling,
                                 g.max_sampling_rounds)
+    if cfg.run.samples_per_step and e == 0:  # a few for a person to read (generator/samples.py)
+        append_rows(rt.run_dir / "samples" / "train.jsonl",
+                    sample_rows(groups, source.ctx.tokenizer, step + 1, "train",
+                                cfg.run.samples_per_step))
     rounds = g.max_sampling_rounds if g.dynamic_sampling else 1
     batch = _to_batch(groups, e, step, per_engine * rounds)
     n = len(batch)

@@ -46,6 +46,17 @@ class WeightFollower:
         every = self.rt.cfg.run.eval_every
         self.next_eval = (step // every + 1) * every if every else None
 
+    def load_first(self) -> None:
+        """Block until the next announced broadcast (the trainers' first: their weights at
+        start, at resume, or at a replacement's first sync) and load it. The engine holds
+        placeholder weights until then (vLLM's dummy load, generator/loop.py)."""
+        if self._announcements is None:
+            self._announcements = KeySequence(self.rt.new_store, "wsync/version",
+                                              self.received, name="llamarl-announcements")
+        while not self._announcements.seen(self.received, _WAIT_S):
+            self.rt.watchdog.check()
+        self._load()
+
     def trainer_done(self) -> bool:
         if self.final is None and self.rt.store.check(["trainer/final_version"]):
             self.final = int(self.rt.store.get("trainer/final_version"))

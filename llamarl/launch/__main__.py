@@ -2,7 +2,7 @@
 
 Under torchrun or srun every rank runs this: parse and validate the recipe and the rank layout
 (cheap imports only), set up the job store and watchdog, then become a trainer or a generator.
-Run directly (no launcher environment), it starts torchrun itself on this machine with as many
+Run directly (no launcher environment), it runs torchrun itself on this machine with as many
 ranks as the recipe's layout needs.
 """
 
@@ -28,13 +28,43 @@ USAGE = ("usage: torchrun --nproc-per-node N -m llamarl.launch RECIPE.yaml [key=
          "engine of a running job)")
 
 
-def self_launch(n_ranks: int, argv: list[str]) -> None:
-    """Replace this process with a single-node torchrun of `n_ranks` ranks."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={n_ranks}", "-m", "llamarl.launch", *argv]
-    print(f"llamarl: launching {n_ranks} local ranks: {' '.join(cmd[2:])}", file=sys.stderr,
-          flush=True)
-    os.execv(sys.executable, cmd)
+def self_launch(n_ranks: int, argv: list[str]) -> int:
+    """Run a single-node torchrun of `n_ranks` ranks from this process; its exit status.
+
+    torchrun's own `main` ends a failed job with a ChildFailedError traceback and a 40-line
+    summary of every rank's exit, after the line in which the failing rank said why (every
+    llamarl rank ends with one `llamarl: ...` line): its `run` is called instead, and a
+    failure ends quietly, with a line of its own only for a rank that died without saying why
+    (a signal). OMP_NUM_THREADS=1 is set as torchrun sets it (the ranks choose their threads,
+    launch/cores.py), which spares its banner."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = ["--standalone", f"--nproc-per-node={n_ranks}", "-m", "llamarl.launch", *argv]
+    print(f"llamarl: launching {n_ranks} local ranks: torchrun {' '.join(args)}",
+          file=sys.stderr, flush=True)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # the agent's notes on stopping the other ranks once one failed ("Sending process ...
+    # closing signal SIGTERM", "failed (exitcode: 1) local_rank: ..."): the ranks say why
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        run(parse_args(args))
+    except ChildFailedError as e:
+        failures = sorted(e.failures.items())
+        # A rank that exits with a status wrote its line (a killed one's peers name it); the
+        # ranks torchrun stops after the first failure die of its SIGTERM. Only when every
+        # rank was killed (none could say why) is the first one named here.
+        if all(f.exitcode < 0 for _, f in failures):
+            rank, failure = failures[0]
+            say(f"llamarl: rank {rank} was killed ({failure.signal_name()}) and the job "
+                "stopped")
+        return 1
+    except SignalException as e:  # Ctrl-C or SIGTERM to this launcher: the ranks are stopped
+        return 128 + int(e.sigval)
+    return 0
 
 
 def replacement_not_back(rt) -> bool:
@@ -100,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             env = from_environ()
             needed = cfg.trainer.ranks + cfg.generator.engines * cfg.generator.tp
             if env is None:
-                self_launch(needed, argv)
+                return self_launch(needed, argv)
             layout = compute_layout(env.world_size, env.local_world_size, cfg.trainer.ranks,
                                     cfg.generator.engines, cfg.generator.tp)
     except ValueError as e:

@@ -28,6 +28,21 @@ from llamarl.parallel.weight_plan import (
 )
 
 
+def check_complete(model: torch.nn.Module, loaded) -> None:
+    """The first sync must write every engine parameter: the engines start from placeholder
+    weights (vLLM's dummy load) and hold the trainer's only where a sync wrote them. vLLM's
+    `load_weights` returns the names of the parameters it loaded (as its own checkpoint
+    loader checks them); a model whose load_weights returns nothing is not checked."""
+    if not isinstance(loaded, set):
+        return
+    missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
+    if missing:
+        raise RuntimeError(
+            f"weight sync: the trainer's weights leave {len(missing)} engine parameter(s) "
+            f"unset ({', '.join(missing[:4])}): the trainer's model and the engine's differ "
+            "in architecture (config.json); check the checkpoint's config")
+
+
 class WeightReceiver:
     """Runs in each generator (vLLM worker) process: receive every sender's buckets into
     receive buffers (allocated once, reused every sync), and write them into the engine.
@@ -201,7 +216,8 @@ class WeightReceiver:
         recorder = LoadRecorder(engine, [f for flats in self.flats for f in flats])
         assembled: dict[int, tuple[str, torch.Tensor]] = {}
         with recorder:
-            model.load_weights(self._arrivals(works, recorder, assembled))
+            loaded = model.load_weights(self._arrivals(works, recorder, assembled))
+        check_complete(model, loaded)
         self.problem = recorder.problem or self._plan_replay(recorder, assembled)
         if self.problem is not None:
             self.replay = None

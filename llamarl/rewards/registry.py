@@ -38,6 +38,7 @@ def exact_match(completion: str, answer: str, prompt: str) -> float:
 
 
 register("gsm8k")(verifiers.gsm8k)
+register("numeric")(verifiers.numeric)
 register("boxed")(verifiers.boxed)
 
 

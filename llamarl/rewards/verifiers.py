@@ -1,4 +1,5 @@
-"""Rule-based verifiers: GSM8K `#### n` answers, `\\boxed{...}` answers, and a format check.
+"""Rule-based verifiers: GSM8K `#### n` answers, a final number, `\\boxed{...}` answers, and a
+format check.
 
 Each verifier is `fn(completion, answer, prompt) -> float` in {0, 1}.
 
@@ -9,6 +10,10 @@ Each verifier is `fn(completion, answer, prompt) -> float` in {0, 1}.
   (itself boxed, a GSM8K solution, or bare). Both sides are normalised (spaces, `\\left`,
   `\\dfrac`, `\\text{}`, `$` ...); if both then read as numbers (including `a/b` and
   `\\frac{a}{b}` with numeric parts) they are compared numerically, else as strings.
+* `numeric`: the completion's final answer equals the reference number: the content of the
+  last `<answer>...</answer>` tag when there is one, else the last number in the completion
+  (`85`, `-3`, `1,000`, `12.0`, `$18`; `12.0` == `12`). The reference: a bare number or a GSM8K
+  solution.
 * `format`: 1 when `re.search(pattern, completion)` matches (pattern: `reward.format_pattern`;
   the default asks for a final line `#### <number>`).
 """
@@ -59,6 +64,29 @@ def reference_number(answer: str) -> float:
 
 def gsm8k(completion: str, answer: str, prompt: str) -> float:
     got = gsm8k_number(completion)
+    return float(got is not None and numbers_equal(got, reference_number(answer)))
+
+
+# A number in running text: a minus sign not glued to a word or a closing bracket (`5-3` is
+# 5 and 3; `x = -3` is -3), an optional dollar, digits grouped by thousands commas or plain,
+# optional decimals. A comma not followed by exactly three digits ends the number (`1, 2`).
+_NUMBER_IN_TEXT = re.compile(
+    r"(?:(?<![\w)\]])-)?\$?(?<![\d.])(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def final_number(text: str) -> float | None:
+    """The final answer of `text` as a number: the last `<answer>...</answer>`'s content
+    (None if it is not a number), else the last number in the text (None if there is none)."""
+    tags = _ANSWER_TAG.findall(text)
+    if tags:
+        return parse_number(tags[-1])
+    found = _NUMBER_IN_TEXT.findall(text)
+    return parse_number(found[-1]) if found else None
+
+
+def numeric(completion: str, answer: str, prompt: str) -> float:
+    got = final_number(completion)
     return float(got is not None and numbers_equal(got, reference_number(answer)))
 
 

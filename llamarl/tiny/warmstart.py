@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -21,6 +20,7 @@ import torch.distributed as dist
 
 from llamarl.buffer.record import RolloutBatch, Sample
 from llamarl.config import TrainerConfig
+from llamarl.models import cache_root
 from llamarl.tiny import lookup
 from llamarl.tiny import task as tasks
 from llamarl.tiny.model import build_model, save_hf_dir
@@ -36,10 +36,6 @@ VERSION = 1  # bump when the recipe below changes
 # lookup: the share of warm-start episodes that use the tool (the others guess), so the
 # policy starts out calling it sometimes and RL has the rest to learn
 LOOKUP_TOOL_SHARE = 0.3
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("LLAMARL_CACHE", Path.home() / ".cache" / "llamarl"))
 
 
 def warm_start_dir(task: str) -> Path:

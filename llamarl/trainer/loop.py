@@ -55,7 +55,7 @@ from llamarl.trainer.lora import (
     merged_state_dict,
     trainable_count,
 )
-from llamarl.trainer.metrics import MetricsLog
+from llamarl.trainer.metrics import MetricsLog, MismatchWatch
 from llamarl.trainer.policy import DTYPES, load_frozen, load_policy
 from llamarl.trainer.reward_model import build_reward_model
 from llamarl.trainer.rl_step import policy_step
@@ -151,9 +151,19 @@ def resolve_model_path(rt: Runtime, mesh) -> str:
             run_warm_start(spec.split(":", 1)[1], path, mesh, rt.device,
                            log=lambda m: log(rt, m) if rt.role.index == 0 else None)
         return str(path)
+    if spec.startswith("smollm2:"):  # fetched and converted once, then cached (all ranks
+        # wait for trainer 0, which does it)
+        from llamarl.models.smollm2 import ensure_smollm2, model_dir
+
+        variant = spec.split(":", 1)[1]
+        if rt.role.index == 0:
+            path = ensure_smollm2(variant, log=lambda m: log(rt, m))
+        dist.barrier()
+        return str(path if rt.role.index == 0 else model_dir(variant))
     if not (Path(spec) / "config.json").is_file():
         raise ValueError(f"model.path {spec!r} is not a Hugging Face model directory (no "
-                         "config.json): point it at a local checkpoint or use tiny:reverse")
+                         "config.json): point it at a local checkpoint, or use tiny:reverse "
+                         "or smollm2:135m-instruct")
     return spec
 
 
@@ -198,6 +208,7 @@ def run_trainer(rt: Runtime) -> None:
                                              for ch in channels))
     metrics = (MetricsLog(rt.run_dir / "metrics.jsonl", kl_ref=reference is not None,
                           resumed_at=rt.resume.get("step")) if r == 0 else None)
+    mismatch = MismatchWatch(cfg.sync.mismatch_warn)
     log(rt, f"policy {model_path} sharded over {T} trainer rank(s); "
             f"sends {sender.bytes_per_sync / 2**20:.2f} MiB of shards per weight sync in "
             f"{len(sender.buckets)} bucket(s), {sum(sender.direct)} of them straight from the "
@@ -218,9 +229,13 @@ def run_trainer(rt: Runtime) -> None:
         log(rt, f"resumed from {resume['checkpoint']} at step {meta['step']}")
         if r == 0:  # only now: a resume that fails leaves the run's files as they were
             write_run_files(rt, model_path)
-        sender.publish(model, version)  # generators continue from the restored policy
     # a LoRA checkpoint holds the adapters only: export needs their config
     lora_meta = ({"lora": dataclasses.asdict(cfg.model.lora)} if cfg.model.lora.rank else {})
+    # The engines start with placeholder weights (vLLM's dummy load, generator/loop.py) and
+    # take their first ones from here, new run or resumed: they sample from exactly the
+    # trainer's policy whatever vLLM would have read from disk (a checkpoint with tied
+    # embeddings stored as lm_head.weight alone loads in transformers, not in vLLM).
+    sender.publish(model, version)
     run_t0 = time.perf_counter()
     # step_time_s is the period from one step's row to the next: the parts below plus the
     # trainer's own work between them (writing the row, logging, TensorBoard), so that the
@@ -338,6 +353,9 @@ def run_trainer(rt: Runtime) -> None:
             metrics.write(row)
             if (step + 1) % cfg.run.log_every == 0 or last:
                 log(rt, metrics.line(row, cfg.run.steps))
+            alarm = mismatch.check(row)
+            if alarm is not None:
+                log(rt, alarm)
         if last:
             break
 

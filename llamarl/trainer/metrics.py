@@ -4,6 +4,7 @@ installed (RUN_DIR/tensorboard), and the one-line progress report."""
 from __future__ import annotations
 
 import json
+import statistics
 from numbers import Real
 from pathlib import Path
 
@@ -11,10 +12,14 @@ TB_FLUSH_S = 10  # TensorBoard shows a running job's scalars at most this late
 
 
 def truncate_after(run_dir: Path, step: int) -> int:
-    """Resuming at `step`: drop the rows of metrics.jsonl and eval.jsonl beyond it (they are
-    about to be produced again), so each step appears once. Returns the rows dropped."""
+    """Resuming at `step`: drop the rows of metrics.jsonl, eval.jsonl and samples/train.jsonl
+    beyond it, and the evaluations' samples/eval_<k>.jsonl of k > step (they are about to be
+    produced again), so each step appears once. Returns the rows dropped (metrics and eval)."""
+    for path in Path(run_dir).glob("samples/eval_*.jsonl"):
+        if int(path.stem.removeprefix("eval_")) > step:
+            path.unlink()
     dropped = 0
-    for name in ("metrics.jsonl", "eval.jsonl"):
+    for name in ("metrics.jsonl", "eval.jsonl", "samples/train.jsonl"):
         path = Path(run_dir) / name
         if not path.is_file():
             continue
@@ -23,14 +28,55 @@ def truncate_after(run_dir: Path, step: int) -> int:
             try:
                 row_step = json.loads(line)["step"]
             except (ValueError, KeyError, TypeError):  # a line torn by the crash
-                dropped += 1
-                continue
+                row_step = step + 1
             if row_step <= step:
                 keep.append(line)
-            else:
+            elif name != "samples/train.jsonl":
                 dropped += 1
         path.write_text("".join(x + "\n" for x in keep))
     return dropped
+
+
+# The least "usual" mismatch the alarm compares against, nats per token: a run whose engine
+# and trainer agree to float32 rounding (mismatch_kl ~1e-10) would otherwise be reported for a
+# bf16-sized 1e-8. With the default factor 10 a step is reported from mismatch_kl 0.1 on.
+MISMATCH_FLOOR = 0.01
+
+
+class MismatchWatch:
+    """Reports a step whose engine-vs-trainer mismatch is far beyond the run's usual one.
+
+    mismatch_kl is the k3 estimate of KL(mu || pi_theta) per token between the behaviour
+    policy mu (the engine's logprobs of its samples) and the trainer's pi_theta before the
+    update; it is ~0 when the engine samples from the trainer's weights (rounding: float32
+    ~1e-10, bf16 ~1e-4). A step is reported when
+
+        mismatch_kl > factor x max(median of the earlier steps' mismatch_kl, MISMATCH_FLOOR)
+
+    (factor: sync.mismatch_warn; 0 = never): on the first step as well, so an engine that
+    does not hold the trainer's weights (the issue-45 trial: kl_mis 3.5 on step 1) is named
+    at once, not after the run.
+    """
+
+    def __init__(self, factor: float):
+        self.factor = factor
+        self.seen: list[float] = []
+
+    def check(self, row: dict) -> str | None:
+        """The one-line report of this metrics row, or None."""
+        kl = row.get("mismatch_kl", 0.0)
+        usual = max(statistics.median(self.seen), MISMATCH_FLOOR) if self.seen else MISMATCH_FLOOR
+        self.seen.append(kl)
+        if not self.factor or not kl > self.factor * usual:
+            return None
+        return (f"step {row['step']}: the engine's logprobs disagree with the trainer's "
+                f"(mismatch_kl {kl:.3g} per token, over {self.factor:g}x the run's usual "
+                f"{usual:.1g}; clip {row.get('clip_frac', 0.0):.3f}): the engine is not "
+                "sampling from the trainer's policy. Check that the engine and the trainer load "
+                "the same model the same way (model.dtype, a checkpoint's config.json), and "
+                "that the temperature the trainer divides by is the engine's; meanwhile "
+                "algorithm.correction=icepop (or mis) masks such tokens (sync.mismatch_warn "
+                "sets this report's factor, 0 = off)")
 
 
 class MetricsLog:

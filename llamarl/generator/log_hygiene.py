@@ -1,0 +1,56 @@
+"""What third-party code prints in a generator process, kept to lines worth reading.
+
+* vLLM's logger: each distinct warning once. Some of its warnings fire on every call of a
+  patched function (the CPU worker replaces torch.set_num_threads with a function that warns
+  "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip
+  it." each time, and vLLM's own start-up calls it four times). vLLM re-applies its logging
+  configuration (a dictConfig, which replaces its handler) whenever an engine starts, so a
+  filter on its handler does not last: llamarl configures vLLM's logger itself instead
+  (VLLM_CONFIGURE_LOGGING=0, unless set already), one handler on stderr at
+  VLLM_LOGGING_LEVEL (engine.prepare_environment: WARNING) that passes each message once.
+* `torch.distributed.reduce_op is deprecated` (FutureWarning, with its source line): vLLM's
+  kernel dispatcher reads every attribute of the modules it scans, torch.distributed's
+  deprecated alias among them, at import. Nothing the user or llamarl calls: ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+
+
+class OncePerMessage(logging.Filter):
+    """Passes each distinct (logger, level, message) once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[tuple[str, int, str]] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.name, record.levelno, record.getMessage())
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
+
+
+def quiet_third_party() -> None:
+    """Call before importing vLLM; idempotent."""
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.reduce_op.*deprecated",
+                            category=FutureWarning)
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    if os.environ["VLLM_CONFIGURE_LOGGING"] != "0":  # the user's choice: vLLM's own logging
+        return
+    logger = logging.getLogger("vllm")
+    if any(isinstance(f, OncePerMessage) for h in logger.handlers for f in h.filters):
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(
+        "(vllm) %(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s",
+        datefmt="%m-%d %H:%M:%S"))
+    handler.addFilter(OncePerMessage())
+    logger.addHandler(handler)
+    logger.setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "WARNING").upper())
+    logger.propagate = False

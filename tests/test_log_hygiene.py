@@ -1,0 +1,20 @@
+"""generator/log_hygiene.py: a third-party warning repeated word for word is printed once."""
+
+
+def test_a_repeated_vllm_warning_is_printed_once(capsys):
+    import logging
+
+    from llamarl.generator.log_hygiene import OncePerMessage
+
+    logger = logging.getLogger("llamarl-test-third-party")
+    handler = logging.StreamHandler()
+    handler.addFilter(OncePerMessage())
+    logger.addHandler(handler)
+    try:
+        for _ in range(4):
+            logger.warning("CPU backend doesn't allow to use `torch.set_num_threads`")
+        logger.warning("another")
+    finally:
+        logger.removeHandler(handler)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["CPU backend doesn't allow to use `torch.set_num_threads`", "another"]
