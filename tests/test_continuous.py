@@ -154,6 +154,13 @@ def test_two_engines_generate_continuously(tmp_path, cache_dir):
     # makes it happen and checks the versions and logprobs)
     evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [0, 3, 6]
+    # samples to read: each batch of slot 0 (run.samples_per_step, default 4), each evaluation
+    train = [json.loads(x) for x in (run / "samples" / "train.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in train]  # (batches made ahead of the last step come after)
+    assert steps[:24] == [s for s in range(1, 7) for _ in range(4)]
+    assert all(s > 6 for s in steps[24:]) and steps == sorted(steps)
+    assert sorted(p.name for p in (run / "samples").glob("eval_*")) == [
+        "eval_0.jsonl", "eval_3.jsonl", "eval_6.jsonl"]
 
 
 # multi-turn episodes in continuous mode: tests/test_tp.py (with a tp 2 engine, whose other

@@ -33,6 +33,7 @@ from collections.abc import Callable
 
 from llamarl.buffer.record import episode_counts
 from llamarl.generator.engine import Completion, sampler_seed
+from llamarl.generator.samples import append_rows, sample_rows
 from llamarl.generator.slots import SlotSet
 from llamarl.generator.weights import fresh_version
 from llamarl.launch.runtime import Runtime
@@ -447,6 +448,10 @@ def _ship(rt: Runtime, slots: SlotSet, slot, ready: list[ScoredGroup],
     for j, grp in enumerate(take):
         grp.index = j
     batch = to_batch(take, slot.index, b, per_engine)
+    if rt.cfg.run.samples_per_step and slot.index == 0:  # a few to read (generator/samples.py)
+        append_rows(rt.run_dir / "samples" / "train.jsonl",
+                    sample_rows(take, pool.engine.tokenizer, b + 1, "train",
+                                rt.cfg.run.samples_per_step))
     rollout = meter.metrics(take)
     if pool.metrics:  # multi-turn: tool and environment counts since the last batch; the
         # episodes and turns are the batch's own

@@ -5,6 +5,8 @@
                                          "greedy"), written by the engine that aggregates it
     RUN_DIR/samples/train.jsonl          the first run.samples_per_step samples of each
                                          training batch (slot 0's), appended step by step
+                                         (asynchronous runs: batches made ahead of the
+                                         trainer's last step too, never trained on)
 
 One row per sample:
 
