@@ -88,8 +88,9 @@ def test_registry_names_are_validated_once():
     from llamarl.algorithms.registry import ALGORITHMS
     from llamarl.config import load_config
 
-    for name in ALGORITHMS:
-        load_config(None, [f"algorithm.name={name}"])
+    for name in ALGORITHMS:  # (distillation needs its teacher named)
+        load_config(None, [f"algorithm.name={name}"] + (
+            ["algorithm.teacher_path=tiny-grpo:reverse"] if name == "on_policy_distill" else []))
     with pytest.raises(ValueError, match="algorithm.name.*gspo"):
         load_config(None, ["algorithm.name=gspoo"])
     with pytest.raises(ValueError, match="algorithm.policy_loss.*'module:function'"):

@@ -124,7 +124,7 @@ class WeightReceiver:
             targets = self.slice_flats
         works: list[list[Work]] = [[] for _ in targets]
         self.transport.begin()
-        if self.transport.ordered:
+        if getattr(self.transport, "ordered", False):  # (a transport of one's own may lack it)
             # NCCL: sender by sender, each sender's broadcasts waited for (on NCCL a wait
             # orders the GPU streams and returns at once) before the next sender's are posted,
             # so this GPU runs one weight communicator at a time, in the same order on every
@@ -132,8 +132,9 @@ class WeightReceiver:
             for s, sender_targets in enumerate(targets):
                 works[s] = [self.transport.receive(t, s, b, own)
                             for b, t in enumerate(sender_targets)]
-                for work in works[s]:
-                    work.wait()
+                if s < len(targets) - 1:  # (no later sender to order after the last)
+                    for work in works[s]:
+                        work.wait()
             return works
         for b in range(max((len(t) for t in targets), default=0)):
             for s, sender_targets in enumerate(targets):
