@@ -28,10 +28,9 @@ import math
 import signal
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from llamarl.rewards.sandbox import spawn_worker
-from llamarl.rollout.env_worker import EnvPool
+from llamarl.rollout.env_worker import EnvPool, serve_calls
 
 BUILTIN_AGENTS = {"lookup": "llamarl.envs.lookup_agent:lookup_agent"}
 
@@ -132,15 +131,7 @@ def _worker_main(conn, agent: str, base_url: str, threads: int, timeout_s: float
             except (BrokenPipeError, OSError):
                 pass
 
-    with ThreadPoolExecutor(threads, thread_name_prefix="llamarl-agent") as pool:
-        while True:
-            try:
-                msg = conn.recv()
-            except (EOFError, OSError):
-                return
-            if msg is None:
-                return
-            pool.submit(work, *msg)
+    serve_calls(conn, work, threads, "llamarl-agent")
 
 
 class AgentPool(EnvPool):

@@ -136,7 +136,15 @@ def _worker_main(conn, env_name: str, tool_format: str, threads: int) -> None:
             except (BrokenPipeError, OSError):
                 pass
 
-    with ThreadPoolExecutor(threads, thread_name_prefix="llamarl-env") as pool:
+    # a replay runs before any later call, which may be of its episode
+    serve_calls(conn, work, threads, "llamarl-env", inline=lambda msg: msg[2] == "replay")
+
+
+def serve_calls(conn, work, threads: int, name: str, inline=lambda msg: False) -> None:
+    """A worker's loop: run each call the parent sends, `work(*msg)`, on a pool of `threads`
+    threads (`inline` ones on this thread, before the next is read) until the parent says
+    stop (None) or is gone."""
+    with ThreadPoolExecutor(threads, thread_name_prefix=name) as pool:
         while True:
             try:
                 msg = conn.recv()
@@ -144,7 +152,7 @@ def _worker_main(conn, env_name: str, tool_format: str, threads: int) -> None:
                 return
             if msg is None:
                 return
-            if msg[2] == "replay":  # before any later call, which may be of its episode
+            if inline(msg):
                 work(*msg)
                 continue
             pool.submit(work, *msg)
