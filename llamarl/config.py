@@ -730,13 +730,6 @@ def _validate_rollout(cfg: Config) -> None:
                                      or ro.agent.endswith(":")):
             _fail("rollout.agent", ro.agent, "name the agent of rollout.source=agent: "
                   "'module:function' (f(client, row) -> reward), or lookup")
-        if g.dynamic_sampling:
-            _fail("generator.dynamic_sampling", g.dynamic_sampling,
-                  "is for rollout.source=single_turn for now: set it false")
-        if cfg.reward.functions or cfg.reward.model_path:
-            _fail("reward.functions", cfg.reward.functions,
-                  "agent episodes are scored by the agent's return value: set "
-                  "reward.functions=[] and no reward.model_path")
         if not ro.agent_timeout_s > 0:
             _fail("rollout.agent_timeout_s", ro.agent_timeout_s, "must be > 0 (seconds)")
         if not 0 <= ro.gateway_port < 65536:
@@ -748,13 +741,15 @@ def _validate_rollout(cfg: Config) -> None:
         if ro.env not in ("lookup", "calculator") and (":" not in ro.env or
                                                         ro.env.startswith(":")):
             _fail("rollout.env", ro.env, "use 'module:Class', lookup or calculator")
+    scored_by = {"agent": "agent episodes are scored by the agent's return value",
+                 "multi_turn": "multi-turn episodes are scored by the environment's reward()"}
+    if ro.source in scored_by:
         if g.dynamic_sampling:
             _fail("generator.dynamic_sampling", g.dynamic_sampling,
                   "is for rollout.source=single_turn for now: set it false")
         if cfg.reward.functions or cfg.reward.model_path:
             _fail("reward.functions", cfg.reward.functions,
-                  "multi-turn episodes are scored by the environment's reward(): set "
-                  "reward.functions=[] and no reward.model_path")
+                  f"{scored_by[ro.source]}: set reward.functions=[] and no reward.model_path")
     for key, value in {"rollout.max_turns": ro.max_turns, "rollout.timeout_s": ro.timeout_s,
                        "rollout.workers": ro.workers,
                        "rollout.threads_per_worker": ro.threads_per_worker}.items():
