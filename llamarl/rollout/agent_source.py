@@ -32,7 +32,7 @@ from llamarl.gateway.responses import chat_response, completion_response, tool_p
 from llamarl.gateway.server import Gateway, GatewayCall, resolve
 from llamarl.rewards.scorer import ScoredGroup
 from llamarl.rollout.agent_worker import AgentPool
-from llamarl.rollout.multi_turn import episode_row
+from llamarl.rollout.multi_turn import episode_row, run_episodes
 from llamarl.rollout.source import Collected, RolloutSource
 
 MODEL_NAME = "policy"  # the model name the gateway serves (GET /v1/models)
@@ -87,12 +87,7 @@ class AgentSource(RolloutSource):
                 first=0) -> Collected:
         t_start = time.perf_counter()
         runner = AgentRunner(self, temperature)
-        self.ctx.engine.begin(seed)
-        for j, prompt in enumerate(prompts):
-            runner.add(first + j, prompt, n)
-        done = {}
-        while runner.groups:
-            done.update((grp.index, grp) for grp in runner.step(version))
+        done = run_episodes(runner, self.ctx.engine, prompts, n, seed, version, first)
         m = runner.metrics
         if m["episodes"] and m["agent_errors"] + m["agent_timeouts"] == m["episodes"]:
             raise RuntimeError(f"rollout.agent {self.ctx.cfg.rollout.agent!r}: every episode "

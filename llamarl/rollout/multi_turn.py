@@ -118,16 +118,24 @@ class MultiTurnSource(RolloutSource):
                 first=0) -> Collected:
         t_start = time.perf_counter()
         runner = EpisodeRunner(self, temperature)
-        self.ctx.engine.begin(seed)
-        for j, prompt in enumerate(prompts):
-            runner.add(first + j, prompt, n)
-        done = {}
-        while runner.groups:
-            done.update((grp.index, grp) for grp in runner.step(version))
+        done = run_episodes(runner, self.ctx.engine, prompts, n, seed, version, first)
         m = runner.metrics
         m["collect_s"] = time.perf_counter() - t_start
         m["generate_s"] = m["collect_s"]  # the step's "generate" phase: episodes, tools included
         return Collected([done[first + j] for j in range(len(prompts))], m)
+
+
+def run_episodes(runner, engine, prompts, n: int, seed: int, version: int,
+                 first: int) -> dict:
+    """A batch call's episodes: seed the engine, add every prompt's group of n (keys first,
+    first + 1, ...) and step the runner until none is left; the ScoredGroups by key."""
+    engine.begin(seed)
+    for j, prompt in enumerate(prompts):
+        runner.add(first + j, prompt, n)
+    done = {}
+    while runner.groups:
+        done.update((grp.index, grp) for grp in runner.step(version))
+    return done
 
 
 class EpisodeRunner:
