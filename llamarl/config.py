@@ -217,8 +217,10 @@ class AlgorithmConfig:
     reward_coef: float = 0.0  # the task reward's weight in the advantage (0: distillation only)
 
 
-# algorithm.teacher_path of the embedded tiny model's teacher (llamarl/tiny/teacher.py)
-TINY_TEACHER = "tiny-grpo:reverse"
+# algorithm.teacher_path values that name a teacher llamarl trains with one of its own recipes
+# and caches (llamarl/models/recipe_teacher.py): the name -> the recipe in recipes/
+RECIPE_TEACHERS = {"tiny-grpo:reverse": "tiny_grpo_cpu.yaml",
+                   "smollm2-grpo:add": "smollm2_add_cpu.yaml"}
 
 
 @dataclass
@@ -705,12 +707,12 @@ def _validate_distill(alg: AlgorithmConfig) -> None:
     if not alg.teacher_path:
         _fail("algorithm.teacher_path", alg.teacher_path,
               "on_policy_distill needs a teacher: a local Hugging Face directory with the "
-              f"policy's tokenizer, or {TINY_TEACHER} for the embedded tiny model")
-    if (":" in alg.teacher_path and alg.teacher_path != TINY_TEACHER
+              f"policy's tokenizer, or one of {', '.join(RECIPE_TEACHERS)}")
+    if (":" in alg.teacher_path and alg.teacher_path not in RECIPE_TEACHERS
             and not Path(alg.teacher_path).exists()):
         _fail("algorithm.teacher_path", alg.teacher_path,
-              f"the embedded tiny model's teacher is {TINY_TEACHER}; other teachers are local "
-              "Hugging Face directories")
+              f"the teachers llamarl trains itself are {', '.join(RECIPE_TEACHERS)}; other "
+              "teachers are local Hugging Face directories")
     for key in ("distill_coef", "reward_coef"):
         if getattr(alg, key) < 0:
             _fail(f"algorithm.{key}", getattr(alg, key), "must be >= 0")

@@ -225,6 +225,23 @@ def test_distillation_keys_are_validated(overrides, words):
                        "generator.samples_per_prompt=1"])
 
 
+def test_recipe_teachers_have_cache_entries_of_their_own(tmp_path, monkeypatch):
+    """Each named teacher is its recipe's final policy, cached under a name of its own that
+    changes with the recipe (the build itself: the tiny teacher in bench/distill.py's runs)."""
+    from llamarl.config import RECIPE_TEACHERS
+    from llamarl.models import recipe_teacher
+
+    monkeypatch.setenv("LLAMARL_CACHE", str(tmp_path))
+    dirs = {name: recipe_teacher.teacher_dir(name) for name in RECIPE_TEACHERS}
+    assert dirs["tiny-grpo:reverse"].name.startswith("tiny-teacher-reverse-")
+    assert dirs["smollm2-grpo:add"].name.startswith("smollm2-teacher-add-")
+    assert all(d.parent == tmp_path for d in dirs.values())
+    recipe, cfg, _ = recipe_teacher._recipe("smollm2-grpo:add")
+    assert cfg.model.path == "smollm2:135m-instruct" and recipe.is_file()
+    monkeypatch.setattr(recipe_teacher, "VERSION", recipe_teacher.VERSION + 1)
+    assert recipe_teacher.teacher_dir("tiny-grpo:reverse") != dirs["tiny-grpo:reverse"]
+
+
 def _launch(out, cache_dir, teacher_dir, *args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "llamarl.launch", "recipes/tiny_distill_cpu.yaml",
            f"run.output_dir={out}", f"algorithm.teacher_path={teacher_dir}", "run.steps=4",

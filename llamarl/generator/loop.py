@@ -39,7 +39,7 @@ import os
 import time
 
 from llamarl.buffer.record import RolloutBatch, episode_counts
-from llamarl.config import TINY_TEACHER
+from llamarl.config import RECIPE_TEACHERS
 from llamarl.data.dataset import PromptData, load_prompt_data
 from llamarl.data.prompts import PromptFormatter
 from llamarl.generator.continuous import run_continuous
@@ -203,11 +203,11 @@ def rejoin(rt: Runtime, weights: WeightFollower, first_sync: int) -> None:
 
 def model_wait_s(cfg) -> float:
     """How long a generator waits for the trainers to publish the model's path: the start-up
-    limit, plus the tiny teacher's build where the trainers may have to build it first
-    (llamarl/tiny/teacher.py)."""
-    if cfg.algorithm.teacher_path != TINY_TEACHER:
+    limit, plus a teacher's build where the trainers may have to build it first
+    (llamarl/models/recipe_teacher.py)."""
+    if cfg.algorithm.teacher_path not in RECIPE_TEACHERS:
         return STARTUP_TIMEOUT_S
-    from llamarl.tiny.teacher import BUILD_TIMEOUT_S
+    from llamarl.models.recipe_teacher import BUILD_TIMEOUT_S
 
     return STARTUP_TIMEOUT_S + BUILD_TIMEOUT_S
 

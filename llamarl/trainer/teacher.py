@@ -1,9 +1,9 @@
 """The teacher of on-policy distillation (algorithm.name = on_policy_distill) on the trainer ranks.
 
 At start, each trainer rank:
-  1. resolves algorithm.teacher_path: a local Hugging Face directory, or the embedded tiny
-     model's teacher (tiny-grpo:reverse), which trainer 0 builds and caches the first time
-     (llamarl/tiny/teacher.py) while the other ranks wait;
+  1. resolves algorithm.teacher_path: a local Hugging Face directory, or a teacher that one of
+     llamarl's recipes trains (tiny-grpo:reverse, smollm2-grpo:add), which trainer 0 builds and
+     caches the first time (llamarl/models/recipe_teacher.py) while the other ranks wait;
   2. refuses, in one line, a teacher whose tokenizer is not the policy's: distillation compares
      the two models' logprobs of the same token ids, so both must read them as the same tokens;
   3. loads it frozen (no gradients, eval mode) in model.dtype and FSDP2-shards it over the
@@ -20,29 +20,29 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from llamarl.config import TINY_TEACHER
+from llamarl.config import RECIPE_TEACHERS
 from llamarl.trainer.policy import load_frozen
 
 
 def resolve_teacher_path(spec: str, rank: int, log=print) -> str:
     """The teacher's Hugging Face directory for algorithm.teacher_path `spec` ("" = none).
-    tiny-grpo:reverse: trainer `rank` 0 builds it when it is not cached yet (a collective:
-    every trainer rank calls this)."""
+    A name in RECIPE_TEACHERS: trainer `rank` 0 builds it when it is not cached yet (a
+    collective: every trainer rank calls this)."""
     if not spec:
         return ""
-    if spec == TINY_TEACHER:
-        from llamarl.tiny.teacher import build_teacher, teacher_dir
+    if spec in RECIPE_TEACHERS:
+        from llamarl.models.recipe_teacher import build_teacher, teacher_dir
 
-        path = teacher_dir()
+        path = teacher_dir(spec)
         if rank == 0 and not (path / "config.json").is_file():
-            build_teacher(path, log)
+            build_teacher(spec, path, log)
         if dist.is_initialized():
             dist.barrier()
         return str(path)
     if not (Path(spec) / "config.json").is_file():
         raise ValueError(f"algorithm.teacher_path {spec!r} is not a Hugging Face model "
                          "directory (no config.json): point it at a local checkpoint with the "
-                         f"policy's tokenizer, or use {TINY_TEACHER} with the tiny model")
+                         f"policy's tokenizer, or one of {', '.join(RECIPE_TEACHERS)}")
     return spec
 
 
