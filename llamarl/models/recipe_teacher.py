@@ -49,7 +49,8 @@ def _recipe(name: str):
         raise ValueError(f"algorithm.teacher_path {name} is built with {recipe}, which is "
                          "missing: run from a checkout of llamarl (pip install -e .), or point "
                          "algorithm.teacher_path at a trained policy directory")
-    overrides = [f"run.name={name.split('-')[0]}-teacher", "run.eval_every=0", "run.checkpoint_every=0"]
+    overrides = [f"run.name={name.split('-')[0]}-teacher", "run.eval_every=0",
+                 "run.checkpoint_every=0"]
     return recipe, load_config(recipe, overrides), overrides
 
 
