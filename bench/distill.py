@@ -1,17 +1,22 @@
 """On-policy distillation against GRPO from the same start: held-out reward against trainer step
 and wall-clock time, one run after the other for each of --seeds, written to --out (JSON).
 
-    python bench/distill.py [--grpo-steps 150] [--distill-steps 60] [--seeds 0 1 2]
-                            [--eval-every 10] [--out bench/results/distill.json]
+    python bench/distill.py [--workload tiny|smollm2] [--seeds 0 1 2]
+                            [--grpo-steps N] [--distill-steps N] [--eval-every N]
+                            [--out bench/results/distill.json]
                             [--grpo-set key=value ...]  # overrides of the GRPO recipe
                             [--algos grpo]       # one side only (a control)
                             [key=value ...]      # overrides of the distillation recipe
 
-GRPO runs recipes/tiny_grpo_cpu.yaml, distillation recipes/tiny_distill_cpu.yaml: the same
-student (the tiny warm start), batch, lengths and prompts; the distillation's teacher
-(tiny-grpo:reverse) is the default recipe's policy after its 250 steps, built and cached by the
-first distillation run if it is not cached yet (that run's wall clock then starts after the
-build: elapsed_s counts from the first step). The goal (issue 48): distillation reaches GRPO's
+Workload tiny (the default; steps 150 / 60, evaluations every 10): GRPO runs
+recipes/tiny_grpo_cpu.yaml, distillation recipes/tiny_distill_cpu.yaml: the same student (the
+tiny warm start), lengths and prompts; the teacher (tiny-grpo:reverse) is the default recipe's
+policy after its 250 steps. Workload smollm2 (steps 30 / 15, evaluations every 5): GRPO runs
+recipes/smollm2_add_cpu.yaml, distillation recipes/smollm2_distill_cpu.yaml, both from the base
+SmolLM2-135M-Instruct; the teacher (smollm2-grpo:add) is the addition recipe's policy after its
+30 steps (seed 0). Either teacher is built and cached by the first distillation run if it is
+not cached yet (that run's wall clock then starts after the build: elapsed_s counts from the
+first step). The goal (issue 48): distillation reaches GRPO's
 final held-out reward in at most a third of GRPO's steps. Reported per seed and as medians over
 seeds: GRPO's held-out reward at its last step (the target), the first evaluation step (and
 the wall clock of training up to it) at which distillation reaches the seed's target and the
@@ -32,7 +37,14 @@ from pathlib import Path
 from launch_logs import torchrun_logs_in_temp
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPES = {"grpo": "recipes/tiny_grpo_cpu.yaml", "distill": "recipes/tiny_distill_cpu.yaml"}
+# workload -> (its recipes, GRPO steps, distillation steps, evaluation every)
+WORKLOADS = {
+    "tiny": ({"grpo": "recipes/tiny_grpo_cpu.yaml", "distill": "recipes/tiny_distill_cpu.yaml"},
+             150, 60, 10),
+    "smollm2": ({"grpo": "recipes/smollm2_add_cpu.yaml",
+                 "distill": "recipes/smollm2_distill_cpu.yaml"}, 30, 15, 5),
+}
+RECIPES = WORKLOADS["tiny"][0]  # (main() sets the workload's)
 THRESHOLDS = (0.5, 0.6, 0.65, 0.7)  # held-out rewards whose first step each method is timed to
 
 
@@ -124,11 +136,13 @@ def summarize(runs: list[dict], grpo_steps: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--grpo-steps", type=int, default=150)
-    ap.add_argument("--distill-steps", type=int, default=60)
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="tiny")
+    ap.add_argument("--grpo-steps", type=int, help="default: the workload's")
+    ap.add_argument("--distill-steps", type=int, help="default: the workload's")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--eval-every", type=int, default=10)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "distill.json"))
+    ap.add_argument("--eval-every", type=int, help="default: the workload's")
+    ap.add_argument("--out", help="default: bench/results/distill.json (tiny), "
+                                  "distill_smollm2.json (smollm2)")
     ap.add_argument("--grpo-set", action="append", default=[], metavar="KEY=VALUE",
                     help="an override of the GRPO recipe (repeatable), e.g. a control with the "
                          "distillation's algorithm.mini_batches")
@@ -138,6 +152,13 @@ def main() -> int:
     ap.add_argument("--summarize", metavar="JSON",
                     help="recompute the summary of the runs of a results file, running nothing")
     args = ap.parse_args()
+    global RECIPES
+    RECIPES, grpo_steps, distill_steps, eval_every = WORKLOADS[args.workload]
+    args.grpo_steps = args.grpo_steps or grpo_steps
+    args.distill_steps = args.distill_steps or distill_steps
+    args.eval_every = args.eval_every or eval_every
+    args.out = args.out or str(ROOT / "bench" / "results" / (
+        "distill.json" if args.workload == "tiny" else f"distill_{args.workload}.json"))
     if args.summarize:
         result = json.loads(Path(args.summarize).read_text())
         result["summary"] = summarize(result["runs"], result["summary"]["grpo_steps"])
