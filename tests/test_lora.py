@@ -234,3 +234,24 @@ def test_two_ranks_take_the_update_of_one_process(two_ranks):
     for name, t in model.state_dict().items():
         if ".lora_" in name:
             assert torch.allclose(t, two_ranks["adapters_1"][name], atol=2e-5), name
+
+
+@pytest.mark.slow
+def test_adapter_syncs_end_to_end(tmp_path, cache_dir):
+    """recipes/tiny_grpo_lora_cpu.yaml with model.lora.sync=adapters through the launcher:
+    the trainer ranks send the adapters alone (rank 8: 32768 values, 64 KiB in float32 per
+    trainer rank), and the engine, running the base model with vLLM's LoRA layers, samples
+    with the trainer's policy at every step (kl_mis, the engine against the trainer per
+    token: float rounding), once the adapters have moved away from B = 0 too."""
+    from conftest import torchrun
+    from test_async_e2e import SMALL, metrics_of
+
+    proc = torchrun(3, ["-m", "llamarl.launch", "recipes/tiny_grpo_lora_cpu.yaml",
+                        "run.steps=4", "model.lora.sync=adapters", f"run.output_dir={tmp_path}",
+                        *SMALL], timeout=600, LLAMARL_CACHE=cache_dir)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "sends 0.06 MiB of shards per weight sync" in proc.stderr, proc.stderr[-3000:]
+    run, rows = metrics_of(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["mismatch_kl"] < 1e-6 for r in rows), [r["mismatch_kl"] for r in rows]
+    assert rows[-1]["kl_ref"] > 1e-4, "the adapters moved: the policy is not the base"
