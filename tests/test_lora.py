@@ -236,6 +236,38 @@ def test_two_ranks_take_the_update_of_one_process(two_ranks):
             assert torch.allclose(t, two_ranks["adapters_1"][name], atol=2e-5), name
 
 
+def test_engine_adapter_fails_in_one_line_on_what_it_cannot_load():
+    """generator/lora_adapter.EngineAdapter against stand-ins for vLLM's worker: an engine
+    without LoRA, a vLLM without the private name it relies on, and an adapter of a module
+    the engine does not adapt (vLLM's from_lora_tensors would drop it silently)."""
+    from types import SimpleNamespace
+
+    from llamarl.generator.lora_adapter import EngineAdapter, adapter_config, engine_lora_args
+
+    # (also: config.VLLM_LORA_RANKS is the installed vLLM's list)
+    assert engine_lora_args(4) == {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1}
+    cfg = load_config(None, ["model.lora.rank=4", "model.lora.sync=adapters"])
+    config, cpu = adapter_config(cfg.model.lora), torch.device("cpu")
+    q = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    runner = SimpleNamespace()
+    worker = SimpleNamespace(model_runner=runner)
+    with pytest.raises(RuntimeError, match="built without LoRA"):
+        EngineAdapter(worker, config, [q], cpu)
+    runner.lora_manager = SimpleNamespace()
+    with pytest.raises(RuntimeError, match=r"no WorkerLoRAManager\._adapter_manager.*"
+                                           "model.lora.sync=merged") as e:
+        EngineAdapter(worker, config, [q], cpu)
+    assert "\n" not in str(e.value)
+    runner.lora_manager._adapter_manager = SimpleNamespace(
+        remove_adapter=None, add_adapter=None, activate_adapter=None, model=None, modules={},
+        lora_config=SimpleNamespace(max_lora_rank=8, lora_dtype=torch.float32),
+        supported_lora_modules=["qkv_proj", "o_proj"],
+        packed_modules_mapping={"qkv_proj": ["q_proj", "k_proj", "v_proj"]})
+    assert EngineAdapter(worker, config, [q], cpu).names == [q]
+    with pytest.raises(ValueError, match="no LoRA layer for model.layers.0.mlp.up_proj"):
+        EngineAdapter(worker, config, [q.replace("self_attn.q_proj", "mlp.up_proj")], cpu)
+
+
 @pytest.mark.slow
 def test_adapter_syncs_end_to_end(tmp_path, cache_dir):
     """recipes/tiny_grpo_lora_cpu.yaml with model.lora.sync=adapters through the launcher:
