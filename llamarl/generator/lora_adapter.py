@@ -10,8 +10,9 @@ The trainer sends, for every adapted linear, A [r, in] and B [out, r] in PEFT's 
 where the scaling is folded into B when the adapter is added (`LoRALayerWeights.optimize`,
 called by the manager's `_create_merged_loras_inplace`: in place, so the tensors handed over
 must be vLLM's own, not the receive buffers), and the q/k/v and gate/up adapters are packed
-for vLLM's fused linears. Every request carries `REQUEST` (Engine), which names the adapter
-by its id; the prefix cache holds no KV across a load (Engine.begin, resume).
+for vLLM's fused linears. Every request carries `lora_request()` (Engine.generate, _add),
+which names the adapter by its id; the prefix cache holds no KV across a load (Engine.begin,
+resume).
 
 vLLM's public way to load an adapter is from a directory (`LoRARequest(path)`, PEFT's
 adapter_config.json + adapter_model.safetensors, `load_inplace=True` to reload one). This
