@@ -59,7 +59,9 @@ class LoraConfig:
     target_modules: list[str] = field(default_factory=lambda: [
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     # What the engines get: merged = W + (alpha / rank) B A as full weights, through the
-    # weight sync every recipe uses (tp > 1 resharding, continuous mode and engine loss alike)
+    # weight sync every recipe uses (tp > 1 resharding, continuous mode and engine loss alike);
+    # adapters = A and B alone (r (in + out) per linear): the engines load the base model from
+    # model.path and run vLLM's LoRA kernels with the adapter, refreshed in memory each sync
     sync: str = "merged"
 
 
@@ -591,6 +593,23 @@ def validate(cfg: Config) -> Config:
 
 # The linear layers of the decoder blocks that may take adapters (Llama / Qwen2 / Mistral).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The ranks a vLLM 0.32 engine can be built for (`max_lora_rank`: vllm/config/lora.py,
+# MaxLoRARanks); an adapter of rank r runs in an engine of the smallest one >= r
+# (generator/lora_adapter.py checks this list against the installed vLLM's).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def adapter_sync(cfg: Config) -> bool:
+    """Whether the engines run LoRA adapters that the weight sync refreshes (model.lora.sync
+    adapters) instead of taking full weights."""
+    return cfg.model.lora.rank > 0 and cfg.model.lora.sync == "adapters"
+
+
+def reshards(cfg: Config) -> bool:
+    """Whether tp > 1 engines get only their part of each tensor from the second sync on
+    (sync.reshard). Not for adapters: every tp rank gets them whole and vLLM's LoRA layers
+    slice them (set_lora), so the bytes are r (in + out) per linear either way."""
+    return cfg.sync.reshard and not adapter_sync(cfg)
 
 
 def _validate_lora(cfg: Config) -> None:
@@ -612,9 +631,13 @@ def _validate_lora(cfg: Config) -> None:
             _fail("model.lora.target_modules", name,
                   f"adapters go on the decoder blocks' linear layers: use some of "
                   f"{', '.join(LORA_TARGETS)} (embeddings and lm_head are not supported)")
-    if lora.sync != "merged":
+    if lora.sync not in ("merged", "adapters"):
         _fail("model.lora.sync", lora.sync, "must be merged (the engines get W + (alpha / "
-              "rank) B A as full weights); adapter-only syncs are not built yet")
+              "rank) B A as full weights) or adapters (the engines get A and B and run "
+              "vLLM's LoRA kernels)")
+    if lora.sync == "adapters" and lora.rank > VLLM_LORA_RANKS[-1]:
+        _fail("model.lora.rank", lora.rank, f"vLLM runs adapters of rank <= "
+              f"{VLLM_LORA_RANKS[-1]}: lower it, or set model.lora.sync=merged")
     if cfg.algorithm.name == "ppo" and not cfg.critic.path:
         _fail("model.lora.rank", lora.rank, "PPO's critic starts from the policy's weights "
               "and would be fully fine-tuned beside a LoRA policy (no memory saved, not "

@@ -1,4 +1,5 @@
-"""generator/log_hygiene.py: a third-party warning repeated word for word is printed once."""
+"""generator/log_hygiene.py: a third-party warning repeated word for word is printed once, and
+one that says nothing about a llamarl run not at all."""
 
 
 def test_a_repeated_vllm_warning_is_printed_once(capsys):
@@ -14,6 +15,8 @@ def test_a_repeated_vllm_warning_is_printed_once(capsys):
         for _ in range(4):
             logger.warning("CPU backend doesn't allow to use `torch.set_num_threads`")
         logger.warning("another")
+        logger.warning("vLLM has deprecated support for supporting different tokenizers for "
+                       "different LoRAs. By default, vLLM uses base model's tokenizer.")
     finally:
         logger.removeHandler(handler)
     lines = capsys.readouterr().err.splitlines()

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import DIST, torchrun
 
-from llamarl.config import load_config
+from llamarl.config import LORA_TARGETS, load_config
 from llamarl.tiny.model import build_model
 from llamarl.trainer.lora import add_adapters, merged_state_dict
 from llamarl.trainer.policy import pad_rollouts, token_logprobs
@@ -27,13 +27,74 @@ STEP_CFG = ["trainer.micro_batch_size=3", "trainer.lr=1e-2", "trainer.ranks=2",
     ("model.lora.dropout=1.0", "model.lora.dropout"),
     ("model.lora.target_modules=[lm_head]", "model.lora.target_modules"),
     ("model.lora.target_modules=[]", "model.lora.target_modules"),
-    ("model.lora.sync=adapters", "model.lora.sync"),
+    ("model.lora.sync=deltas", "model.lora.sync"),
+    ("model.lora.sync=adapters model.lora.rank=1024", "model.lora.rank"),
     ("algorithm.name=ppo", "model.lora.rank"),
 ])
 def test_bad_lora_keys_are_one_line_errors(override, key):
     with pytest.raises(ValueError, match=f"recipe key '{key}'") as e:
-        load_config(None, ["model.lora.rank=8", override])
+        load_config(None, ["model.lora.rank=8", *override.split()])
     assert "\n" not in str(e.value)
+
+
+def test_adapter_syncs_are_a_recipe_choice():
+    from llamarl.config import adapter_sync, reshards
+    from llamarl.generator.lora_adapter import adapter_config, engine_lora_rank
+
+    cfg = load_config(None, ["model.lora.rank=4", "model.lora.alpha=8",
+                             "model.lora.sync=adapters"])
+    assert adapter_sync(cfg) and not reshards(cfg), "tp ranks get the adapters whole"
+    merged = load_config(None, ["model.lora.rank=4"])
+    assert not adapter_sync(merged) and reshards(merged)
+    assert adapter_config(cfg.model.lora) == {"r": 4, "lora_alpha": 8.0, "bias": "none",
+                                              "target_modules": list(LORA_TARGETS)}
+    # vLLM builds engines for ranks 1, 8, 16, ...: the smallest that holds the adapter
+    assert [engine_lora_rank(r) for r in (1, 2, 8, 9, 300, 512)] == [1, 8, 8, 16, 320, 512]
+
+
+def test_adapter_syncs_send_a_and_b_alone_in_peft_names(tmp_path):
+    """model.lora.sync adapters, one process (no FSDP2), through the filesystem transport:
+    the sender's pieces are the adapters (weight_plan.model_tensors), r (in + out) values per
+    adapted linear; a receiver that does not replay (WeightReceiver(replay=False)) hands
+    every sync whole to its target's load_weights, in PEFT's saved names
+    (lora.adapter_state_dict), which vLLM's LoRA loader reads."""
+    from llamarl.parallel.transports.base import TransportSpec
+    from llamarl.parallel.weight_sync import open_weight_sync
+    from llamarl.trainer.lora import adapter_state_dict
+
+    cfg = load_config(None, ["model.lora.rank=4", "model.lora.sync=adapters"])
+    model, _ = build_model(seed=0)
+    add_adapters(model, cfg.model.lora, seed=0)
+    spec = [TransportSpec("filesystem", me, senders=1, receivers=1, directory=str(tmp_path),
+                          timeout_s=30.0) for me in (0, 1)]
+    cpu = torch.device("cpu")
+    published = []
+    sender = open_weight_sync("send", spec[0], 1, cpu, model=model, adapters=True,
+                              publish_metas=published.append)
+    receiver = open_weight_sync("receive", spec[1], 1, cpu, metas=published, adapters=True)
+    per_linear = {"q_proj": 128 + 128, "k_proj": 128 + 64, "v_proj": 128 + 64,
+                  "o_proj": 128 + 128, "gate_proj": 128 + 256, "up_proj": 128 + 256,
+                  "down_proj": 256 + 128}
+    assert sender.bytes_per_sync == 2 * 4 * 4 * sum(per_linear.values())  # 2 blocks, fp32
+
+    class Adapter:  # stands in for generator/lora_adapter.EngineAdapter
+        def load_weights(self, weights):
+            self.got = {name: t.clone() for name, t in weights}
+
+    target = Adapter()
+    for sync in range(2):
+        with torch.no_grad():  # the adapters move; nothing else is sent
+            for name, p in model.named_parameters():
+                if ".lora_" in name:
+                    p.normal_(0, 0.1)
+        sender.publish(model, version=None)
+        sender.wait()
+        receiver.post()
+        receiver.load(target)
+        expected = adapter_state_dict(model)
+        assert set(target.got) == set(expected)
+        assert all(torch.equal(target.got[k], t) for k, t in expected.items()), sync
+    assert receiver.replay is None, "nothing recorded: the adapter takes every sync"
 
 
 def test_lora_is_off_by_default_and_ignored_when_off():
@@ -173,3 +234,56 @@ def test_two_ranks_take_the_update_of_one_process(two_ranks):
     for name, t in model.state_dict().items():
         if ".lora_" in name:
             assert torch.allclose(t, two_ranks["adapters_1"][name], atol=2e-5), name
+
+
+def test_engine_adapter_fails_in_one_line_on_what_it_cannot_load():
+    """generator/lora_adapter.EngineAdapter against stand-ins for vLLM's worker: an engine
+    without LoRA, a vLLM without the private name it relies on, and an adapter of a module
+    the engine does not adapt (vLLM's from_lora_tensors would drop it silently)."""
+    from types import SimpleNamespace
+
+    from llamarl.generator.lora_adapter import EngineAdapter, adapter_config, engine_lora_args
+
+    # (also: config.VLLM_LORA_RANKS is the installed vLLM's list)
+    assert engine_lora_args(4) == {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1}
+    cfg = load_config(None, ["model.lora.rank=4", "model.lora.sync=adapters"])
+    config, cpu = adapter_config(cfg.model.lora), torch.device("cpu")
+    q = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    runner = SimpleNamespace()
+    worker = SimpleNamespace(model_runner=runner)
+    with pytest.raises(RuntimeError, match="built without LoRA"):
+        EngineAdapter(worker, config, [q], cpu)
+    runner.lora_manager = SimpleNamespace()
+    with pytest.raises(RuntimeError, match=r"no WorkerLoRAManager\._adapter_manager.*"
+                                           "model.lora.sync=merged") as e:
+        EngineAdapter(worker, config, [q], cpu)
+    assert "\n" not in str(e.value)
+    runner.lora_manager._adapter_manager = SimpleNamespace(
+        remove_adapter=None, add_adapter=None, activate_adapter=None, model=None, modules={},
+        lora_config=SimpleNamespace(max_lora_rank=8, lora_dtype=torch.float32),
+        supported_lora_modules=["qkv_proj", "o_proj"],
+        packed_modules_mapping={"qkv_proj": ["q_proj", "k_proj", "v_proj"]})
+    assert EngineAdapter(worker, config, [q], cpu).names == [q]
+    with pytest.raises(ValueError, match="no LoRA layer for model.layers.0.mlp.up_proj"):
+        EngineAdapter(worker, config, [q.replace("self_attn.q_proj", "mlp.up_proj")], cpu)
+
+
+@pytest.mark.slow
+def test_adapter_syncs_end_to_end(tmp_path, cache_dir):
+    """recipes/tiny_grpo_lora_cpu.yaml with model.lora.sync=adapters through the launcher:
+    the trainer ranks send the adapters alone (rank 8: 32768 values, 64 KiB in float32 per
+    trainer rank), and the engine, running the base model with vLLM's LoRA layers, samples
+    with the trainer's policy at every step (kl_mis, the engine against the trainer per
+    token: float rounding), once the adapters have moved away from B = 0 too."""
+    from conftest import torchrun
+    from test_async_e2e import SMALL, metrics_of
+
+    proc = torchrun(3, ["-m", "llamarl.launch", "recipes/tiny_grpo_lora_cpu.yaml",
+                        "run.steps=4", "model.lora.sync=adapters", f"run.output_dir={tmp_path}",
+                        *SMALL], timeout=600, LLAMARL_CACHE=cache_dir)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "sends 0.06 MiB of shards per weight sync" in proc.stderr, proc.stderr[-3000:]
+    run, rows = metrics_of(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["mismatch_kl"] < 1e-6 for r in rows), [r["mismatch_kl"] for r in rows]
+    assert rows[-1]["kl_ref"] > 1e-4, "the adapters moved: the policy is not the base"

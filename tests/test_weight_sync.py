@@ -10,9 +10,10 @@ from conftest import DIST, torchrun
 
 @pytest.mark.parametrize("tp,engines,broadcast", [(1, 1, False), (2, 1, False),
                                                    (1, 2, True), (2, 1, True), (1, 2, "pairs"),
-                                                   (2, 1, "lora")],
+                                                   (2, 1, "lora"), (1, 1, "adapters"),
+                                                   (2, 1, "adapters")],
                          ids=["tp1", "tp2", "nccl-shaped-2x2", "nccl-shaped-tp2", "pairs-2x2",
-                              "lora-merged-tp2"])
+                              "lora-merged-tp2", "lora-adapters-tp1", "lora-adapters-tp2"])
 def test_weight_broadcast_parity_with_fsdp2_trainers(tmp_path, tiny_model_dir, tp, engines,
                                                      broadcast):
     """tp = 2: one engine of two ranks (generator/tp.py), each loading half of every layer;
@@ -23,12 +24,17 @@ def test_weight_broadcast_parity_with_fsdp2_trainers(tmp_path, tiny_model_dir, t
     per-tp-rank broadcast groups of a resharded tp 2 engine (built only for NCCL otherwise).
     pairs: one group per trainer rank and engine (sync.weight_groups), point to point.
     lora: a LoRA policy (model.lora) whose merged weights W + s B A go to a tp 2 engine,
-    resharded from the second sync on, as the base model's would."""
+    resharded from the second sync on, as the base model's would.
+    adapters: a LoRA policy whose adapters alone go to an engine that runs the base model
+    with vLLM's LoRA layers (model.lora.sync adapters), refreshed in memory every sync; tp 2
+    ranks each get them whole (vLLM slices them), and a sync of unchanged adapters leaves
+    the engine's samples and logprobs exactly as they were."""
     out = tmp_path / "parity.json"
     segments = set(Path("/dev/shm").glob("llamarl_*"))
     lora = "model.lora.rank=4 trainer.lr=3e-2"  # adapters only: a larger step
     env = ({"OVERRIDES": "sync.weight_groups=pairs"} if broadcast == "pairs" else
            {"OVERRIDES": lora} if broadcast == "lora" else
+           {"OVERRIDES": lora + " model.lora.sync=adapters"} if broadcast == "adapters" else
            {"LLAMARL_GLOO_BROADCAST": "1"} if broadcast else {})
     proc = torchrun(2 + engines * tp, [str(DIST / "weight_sync_parity.py")], timeout=600,
                     OUT=out, MODEL_DIR=tiny_model_dir, RUNS=tmp_path / "runs", TP=tp,
@@ -47,6 +53,17 @@ def test_weight_broadcast_parity_with_fsdp2_trainers(tmp_path, tiny_model_dir, t
     assert r["max_abs_dlogprob"] <= 1e-3, r
     assert r["checksum_after"] != r["checksum_before"]
     assert any(r["changed_tokens"]), "the sync must change what the engine generates"
+    assert r["checksum_after_2"] != r["checksum_after"], "the second sync changes the weights"
+    # the tiny model: 4 query heads + 2 x 2 key/value heads of 32 = 256 rows, split over tp
+    assert r["qkv_rows"] == 256 // tp, r
+    if broadcast == "adapters":
+        assert r["unchanged"], "a sync of unchanged adapters changed the engine's outputs"
+        # A [4, in] and B [out, 4] of 7 linears in 2 blocks, float32, to every tp rank whole
+        assert r["bytes_full"] == r["bytes_resharded"] == 2 * 4 * 4 * (
+            (128 + 128) * 2 + (128 + 64) * 2 + (128 + 256) * 3), r
+        assert not r["replayed"] and r["in_place"] == 0, "each sync goes to vLLM's adapter"
+        assert r["sent_as_is"] < r["buckets"], r
+        return
     assert r["replayed"], "the second sync replays the recorded copies"
     if tp == 1:
         assert 0 < r["in_place"] < r["buckets"], "some buckets are received in place, some copied"
@@ -58,6 +75,3 @@ def test_weight_broadcast_parity_with_fsdp2_trainers(tmp_path, tiny_model_dir, t
         assert r["sent_as_is"] < r["buckets"], r
     else:
         assert 0 < r["sent_as_is"] < r["buckets"], "some sent from the parameters, some packed"
-    assert r["checksum_after_2"] != r["checksum_after"], "the replayed sync changes the weights"
-    # the tiny model: 4 query heads + 2 x 2 key/value heads of 32 = 256 rows, split over tp
-    assert r["qkv_rows"] == 256 // tp, r

@@ -42,6 +42,7 @@ from llamarl.generator.kv_cache import (
     sequence_bytes,
 )
 from llamarl.generator.log_hygiene import quiet_third_party
+from llamarl.generator.lora_adapter import engine_lora_args, lora_request
 from llamarl.generator.sampled_logprobs import SampledLogprobCapture
 from llamarl.generator.tp import EngineCommands, spmd
 from llamarl.parallel.transports.base import TransportSpec
@@ -262,11 +263,15 @@ class Engine:
     `sequences`: the most sequences one generate call runs (sizes the KV cache and vLLM's
     max_num_seqs; default: one training batch of this engine). `threads`: torch/OpenMP threads
     for generation on CPU (0 = leave as launched). `load_format`: vLLM's; "dummy" reads no
-    weights from `model_path` (placeholders until the first weight sync)."""
+    weights from `model_path` (placeholders until the first weight sync). `lora_rank` > 0
+    (model.lora.sync adapters): the engine runs vLLM's LoRA layers for one adapter of that
+    rank, which the weight syncs refresh (generator/lora_adapter.py), and every request
+    carries it once it is loaded."""
 
     def __init__(self, model_path: str, cfg: GeneratorConfig, dtype: str, seed: int,
                  on_cpu: bool, world: EngineWorld | None = None, sequences: int = 0,
-                 engines_on_host: int = 1, threads: int = 0, load_format: str = "auto"):
+                 engines_on_host: int = 1, threads: int = 0, load_format: str = "auto",
+                 lora_rank: int = 0):
         prepare_environment(world, on_cpu)
         if on_cpu:
             disable_onednn_prepack()
@@ -310,6 +315,12 @@ class Engine:
             extra["distributed_executor_backend"] = "external_launcher"
         if cfg.block_size:
             extra["block_size"] = cfg.block_size
+        if lora_rank:
+            extra.update(engine_lora_args(lora_rank))
+        # the LoRARequest every request carries: None until an adapter is loaded (adapter
+        # syncs; the engine generates with the base model before that)
+        self.lora_request = None
+        self._adapter_syncs = False  # set by join_weight_sync
         self.cfg = cfg
         self.version = 0  # the policy version of the loaded weights (set by the caller)
         self._requests: dict[str, _Request] = {}  # submitted and not finished, by id
@@ -415,7 +426,7 @@ class Engine:
             if capture:
                 capture.start()
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                                        params, use_tqdm=False)
+                                        params, use_tqdm=False, lora_request=self.lora_request)
         except Exception as e:
             raise RuntimeError(f"the vLLM engine failed generating {len(prompts)} prompts x {n} "
                                f"samples of up to {max_tokens} tokens: {self._meaning(e)} "
@@ -484,7 +495,8 @@ class Engine:
                                   output_kind=RequestOutputKind.FINAL_ONLY, **stop)
         req.vllm_id = f"{request_id}#{req.restarts}"
         self.llm.llm_engine.add_request(
-            req.vllm_id, TokensPrompt(prompt_token_ids=req.prompt_ids + req.token_ids), params)
+            req.vllm_id, TokensPrompt(prompt_token_ids=req.prompt_ids + req.token_ids), params,
+            lora_request=self.lora_request)
 
     @spmd
     def step(self) -> list[tuple[str, Completion]]:
@@ -607,12 +619,14 @@ class Engine:
             self._add(request_id, req)
 
     def join_weight_sync(self, spec: TransportSpec, metas_json: list[str], bucket_mb: int,
-                         solo_mb: float | None = None) -> None:
+                         solo_mb: float | None = None, adapter: dict | None = None) -> None:
         """Open this engine's end of the weight sync over `spec` (parallel/transports); trainer
         rank i's shard layout is metas_json[i] (bucketed as the senders do: sync.bucket_mb,
-        sync.solo_mb)."""
+        sync.solo_mb). `adapter` (model.lora.sync adapters: lora_adapter.adapter_config):
+        the syncs bring the policy's LoRA adapters (an engine built with lora_rank)."""
         self.llm.collective_rpc("llamarl_join_weight_sync",
-                                args=(spec, metas_json, bucket_mb, solo_mb))
+                                args=(spec, metas_json, bucket_mb, solo_mb, adapter))
+        self._adapter_syncs = adapter is not None
 
     @spmd
     def receive_weights(self) -> None:
@@ -633,8 +647,12 @@ class Engine:
         with the old weights) is emptied by the next generate call, as every call does: not
         while the bytes travel, where its ~0.1 ms of CPU slowed a tiny model's transfer on the
         2-core CPU."""
-        self.swap_weights(self.worker.llamarl_load_received,
-                          self.version if version is None else version)
+        self.swap_weights(self._load_received, self.version if version is None else version)
+
+    def _load_received(self) -> None:
+        self.worker.llamarl_load_received()
+        if self._adapter_syncs:  # requests name the adapter from its first load on
+            self.lora_request = lora_request()
 
     def checksum(self) -> float:
         return self.llm.collective_rpc("llamarl_state_checksum")[0]

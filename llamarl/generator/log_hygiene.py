@@ -8,6 +8,10 @@
   filter on its handler does not last: llamarl configures vLLM's logger itself instead
   (VLLM_CONFIGURE_LOGGING=0, unless set already), one handler on stderr at
   VLLM_LOGGING_LEVEL (engine.prepare_environment: WARNING) that passes each message once.
+* vLLM's warning on the first request that names a LoRA adapter (model.lora.sync adapters),
+  "vLLM has deprecated support for supporting different tokenizers for different LoRAs...":
+  about a tokenizer in the adapter's directory, which llamarl's in-memory adapter has none
+  of (generator/lora_adapter.py): dropped.
 * `torch.distributed.reduce_op is deprecated` (FutureWarning, with its source line): vLLM's
   kernel dispatcher reads every attribute of the modules it scans, torch.distributed's
   deprecated alias among them, at import. Nothing the user or llamarl calls: ignored.
@@ -20,9 +24,12 @@ import os
 import sys
 import warnings
 
+# Messages of vLLM's that say nothing about a llamarl run (the docstring above), by their start
+DROPPED = ("vLLM has deprecated support for supporting different tokenizers for different LoRAs",)
+
 
 class OncePerMessage(logging.Filter):
-    """Passes each distinct (logger, level, message) once."""
+    """Passes each distinct (logger, level, message) once, and none of DROPPED."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -30,7 +37,7 @@ class OncePerMessage(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         key = (record.name, record.levelno, record.getMessage())
-        if key in self.seen:
+        if key in self.seen or key[2].startswith(DROPPED):
             return False
         self.seen.add(key)
         return True

@@ -39,13 +39,14 @@ import os
 import time
 
 from llamarl.buffer.record import RolloutBatch, episode_counts
-from llamarl.config import RECIPE_TEACHERS
+from llamarl.config import RECIPE_TEACHERS, adapter_sync, reshards
 from llamarl.data.dataset import PromptData, load_prompt_data
 from llamarl.data.prompts import PromptFormatter
 from llamarl.generator.continuous import run_continuous
 from llamarl.generator.cpu_fixes import cpu_shm_prefix, unlink_cpu_shm
 from llamarl.generator.engine import Engine, EngineWorld, import_vllm, sampler_seed
 from llamarl.generator.evaluate import Evaluator
+from llamarl.generator.lora_adapter import adapter_config
 from llamarl.generator.samples import append_rows, sample_rows
 from llamarl.generator.slots import SlotSet
 from llamarl.generator.tp import EngineCommands, follow_leader
@@ -145,8 +146,13 @@ def join_weight_groups(rt: Runtime, engine: Engine) -> int:
         groups = [rt.group_spec(f"wsync{r}", me, 1 + len(gen_ranks)) for r in trainers]
     engine.join_weight_sync(rt.weight_transport(me, groups),
                             [rt.wait_key(f"wsync/meta/{r}") for r in trainers],
-                            rt.cfg.sync.bucket_mb, rt.cfg.sync.solo_mb)
+                            rt.cfg.sync.bucket_mb, rt.cfg.sync.solo_mb, synced_adapter(rt.cfg))
     return 0
+
+
+def synced_adapter(cfg) -> dict | None:
+    """The adapter config the weight syncs bring (model.lora.sync adapters), else None."""
+    return adapter_config(cfg.model.lora) if adapter_sync(cfg) else None
 
 
 def join_as_replacement(rt: Runtime, engine: Engine) -> int:
@@ -169,7 +175,7 @@ def join_as_replacement(rt: Runtime, engine: Engine) -> int:
         Roster(rt.store, rt.layout.engines).note_change()  # the trainers look again
     first = int(rt.wait_key(f"join/{e}/{n}/sync"))
     options = {}
-    if tp > 1 and rt.cfg.sync.reshard:  # receiver 1 + k: tp rank k of engine 0
+    if tp > 1 and reshards(rt.cfg):  # receiver 1 + k: tp rank k of engine 0
         options["needs"] = rt.wait_key(f"wsync/needs/{1 + k}")
     if rt.cfg.sync.transport == "filesystem":  # the files of the engine it replaces, from
         # `first` on (parallel/transports/filesystem.py)
@@ -180,7 +186,7 @@ def join_as_replacement(rt: Runtime, engine: Engine) -> int:
                                                          1 + tp) for r in trainers],
                                    options=options)
     engine.join_weight_sync(spec, [rt.wait_key(f"wsync/meta/{r}") for r in trainers],
-                            rt.cfg.sync.bucket_mb, rt.cfg.sync.solo_mb)
+                            rt.cfg.sync.bucket_mb, rt.cfg.sync.solo_mb, synced_adapter(rt.cfg))
     return first
 
 
@@ -245,10 +251,14 @@ def run_engine(rt: Runtime, data: PromptData, model_path: str, threads: int, t0:
     # tensors, and takes its first weights from the trainers (WeightFollower.load_first,
     # before it generates or evaluates anything), so it samples from exactly the trainer's
     # policy even where vLLM would read the checkpoint otherwise than transformers does.
+    # Adapter-only syncs (model.lora.sync adapters) never send the base weights: the engine
+    # reads them from the checkpoint, as the trainers do, and runs vLLM's LoRA layers.
+    adapters = adapter_sync(cfg)
     engine = Engine(model_path, g, cfg.model.dtype, seed=cfg.run.seed + e, on_cpu=rt.on_cpu,
                     world=world, sequences=largest_call(rt, len(data.held_out)),
                     engines_on_host=local_ranks(rt.layout, rt.role.rank, "generator"),
-                    threads=threads, load_format="dummy")
+                    threads=threads, load_format="auto" if adapters else "dummy",
+                    lora_rank=cfg.model.lora.rank if adapters else 0)
     log(rt, f"vLLM engine up in {time.perf_counter() - t0:.1f} s ({model_path}"
             + (f", {threads} threads" if threads else "") + ")")
     if leader and engine.kv is not None:

@@ -15,6 +15,7 @@ import torch
 
 from llamarl.generator.cpu_fixes import disable_onednn_prepack
 from llamarl.generator.gpu_memory import GIB, check_sync_fits, sync_need_bytes
+from llamarl.generator.lora_adapter import EngineAdapter
 from llamarl.parallel.groups import post_from_root
 from llamarl.parallel.transports.base import TransportSpec
 from llamarl.parallel.weight_plan import OTHER_TAGS, metas_from_json
@@ -26,9 +27,12 @@ disable_onednn_prepack()
 
 class LlamarlWorkerExtension:
     def llamarl_join_weight_sync(self, spec: TransportSpec, metas_json: list[str],
-                                 bucket_mb: int, solo_mb: float | None = None) -> int:
+                                 bucket_mb: int, solo_mb: float | None = None,
+                                 adapter: dict | None = None) -> int:
         """Open the receiving end of the weight sync (trainer rank i's shard layout:
-        metas_json[i]); returns the number of senders."""
+        metas_json[i]); returns the number of senders. `adapter` (model.lora.sync adapters:
+        lora_adapter.adapter_config): the syncs bring LoRA adapters, loaded as the engine's
+        adapter (lora_adapter.EngineAdapter), not weights."""
         device = torch.device(self.device) if hasattr(self, "device") else torch.device("cpu")
         metas = [metas_from_json(m) for m in metas_json]
         if device.type == "cuda":
@@ -40,7 +44,12 @@ class LlamarlWorkerExtension:
                             cache.gpu_memory_utilization, spec.senders,
                             (cache.kv_cache_memory_bytes or 0) / GIB)
         self._llamarl_receiver = open_weight_sync(
-            "receive", spec, bucket_mb, device, solo_mb, metas=metas)
+            "receive", spec, bucket_mb, device, solo_mb, metas=metas,
+            adapters=adapter is not None)
+        # where each sync goes: the engine's model (its load_weights), or its adapter
+        self._llamarl_target = (self.model_runner.model if adapter is None else
+                                EngineAdapter(self, adapter, {m.name for ms in metas for m in ms},
+                                              device))
         return spec.senders
 
     def llamarl_worker(self) -> LlamarlWorkerExtension:
@@ -53,7 +62,7 @@ class LlamarlWorkerExtension:
 
     def llamarl_load_received(self) -> int:
         """Wait for the sync posted and load it into the model."""
-        return self._llamarl_receiver.load(self.model_runner.model)
+        return self._llamarl_receiver.load(self._llamarl_target)
 
     def llamarl_receive_raw(self, nbytes: list[int], chunk_bytes: int, p2p: bool = False) -> int:
         """Receive nbytes[r] bytes from each trainer rank r on its weight group, in broadcasts
@@ -79,8 +88,12 @@ class LlamarlWorkerExtension:
         return sum(nbytes)
 
     def llamarl_state_checksum(self) -> float:
-        """Sum of all parameters: a cheap check that weights changed (tests)."""
-        return float(sum(p.detach().double().sum() for p in self.model_runner.model.parameters()))
+        """Sum of all parameters, and of the LoRA adapter's buffers under adapter-only syncs:
+        a cheap check that weights changed (tests)."""
+        total = float(sum(p.detach().double().sum()
+                          for p in self.model_runner.model.parameters()))
+        target = getattr(self, "_llamarl_target", None)
+        return total + (target.checksum() if isinstance(target, EngineAdapter) else 0.0)
 
     def llamarl_seed_sampler(self, seed: int) -> None:
         """Seed the generators vLLM's sampler draws from (requests carry no seed of their

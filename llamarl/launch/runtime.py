@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from llamarl.buffer.shm import sweep_run
-from llamarl.config import Config, config_to_yaml
+from llamarl.config import Config, config_to_yaml, reshards
 from llamarl.errors import first_line
 from llamarl.launch.dist_env import DistEnv
 from llamarl.launch.gpus import placed_index
@@ -73,6 +73,7 @@ class Runtime:
         `groups[0]`, or receiver `me` with one group per trainer rank (torch transport).
         `options`: the transport's own (TransportSpec.options)."""
         sync, layout = self.cfg.sync, self.layout
+        reshard = reshards(self.cfg)  # (not for adapter-only syncs)
         # filesystem: a directory of this launch's own (run_id is new at every launch, a
         # restart's included), so no run reads the files of another sharing transport_dir
         directory = Path(sync.transport_dir or self.run_dir / "weight_sync") / self.run_id
@@ -80,7 +81,7 @@ class Runtime:
         pairs = weight_pairs(self.cfg, layout, self.device)
         if pairs:  # point to point on each pair group (torch_dist.Sender)
             options = {**(options or {}), "pairs": True}
-        elif layout.tp > 1 and broadcasts(default_backend(self.device)):
+        elif layout.tp > 1 and reshard and broadcasts(default_backend(self.device)):
             # resharded syncs broadcast to one tp rank's receivers: [trainer r, tp rank k of
             # every engine] (gloo sends point to point and needs none)
             n = 1 + layout.engines
@@ -92,7 +93,7 @@ class Runtime:
                              for r in range(layout.trainer_ranks)]
         return TransportSpec(sync.transport, me, layout.trainer_ranks,
                              len(layout.generator_global_ranks), tuple(groups),
-                             str(directory), sync.timeout_s, layout.tp, sync.reshard,
+                             str(directory), sync.timeout_s, layout.tp, reshard,
                              tuple(tp_groups),
                              (self.env.master_addr, self.env.master_port, self.prefix),
                              options or {})

@@ -126,15 +126,20 @@ def persistent_buffer_names(model: torch.nn.Module) -> set[str]:
     return {name for name, _ in model.named_buffers() if name in keys}
 
 
-def model_tensors(model: torch.nn.Module,
-                  buffers: set[str] | None = None) -> dict[str, torch.Tensor]:
+def model_tensors(model: torch.nn.Module, buffers: set[str] | None = None,
+                  adapters: bool = False) -> dict[str, torch.Tensor]:
     """Parameters (tied ones once) and persistent buffers, by their checkpoint names: the
     tensors the engines load. A LoRA policy's (trainer/lora.py) go by the base model's names
     and without the adapters: `...q_proj.base_layer.weight` as `...q_proj.weight`, whose
     value on the wire is the merged W + s B A (WeightSender reads it from lora.merged_shard;
-    same shape and rows as W)."""
-    from llamarl.trainer.lora import engine_name, is_adapter
+    same shape and rows as W). With `adapters` (model.lora.sync adapters) the adapters
+    alone, A [r, in] and B [out, r] of each adapted linear, by their names in PEFT's saved
+    form (lora.adapter_name), which vLLM's LoRA loader reads: the engines hold the base
+    weights from the checkpoint."""
+    from llamarl.trainer.lora import adapter_name, engine_name, is_adapter
 
+    if adapters:
+        return {adapter_name(n): p for n, p in model.named_parameters() if is_adapter(n)}
     out = {engine_name(n): p for n, p in model.named_parameters() if not is_adapter(n)}
     if buffers is None:
         buffers = persistent_buffer_names(model)
@@ -145,16 +150,17 @@ def model_tensors(model: torch.nn.Module,
 
 
 def local_pieces(model: torch.nn.Module, rank: int, buffers: set[str],
-                 wire_dtype: torch.dtype | None = None,
+                 wire_dtype: torch.dtype | None = None, adapters: bool = False,
                  ) -> list[tuple[TensorMeta, torch.Tensor | None]]:
     """What trainer `rank` sends: its dim-0 shard of each FSDP2 (Shard(0)) parameter, and whole
     replicated tensors on rank 0 only (None = nothing from this rank). Floating-point tensors
     travel as `wire_dtype` when given (the engines' dtype: float32 master weights are sent as
-    bfloat16, cast while packing, at half the bytes)."""
+    bfloat16, cast while packing, at half the bytes). `adapters`: a LoRA policy's adapters
+    alone (model_tensors), each rank its rows of A and B, which the receiver puts together."""
     from torch.distributed.tensor import DTensor, Shard
 
     out = []
-    for name, t in model_tensors(model, buffers).items():
+    for name, t in model_tensors(model, buffers, adapters).items():
         shape = tuple(t.shape)
         dtype = str(wire_dtype if wire_dtype is not None and t.is_floating_point() else t.dtype)
         if isinstance(t, DTensor) and tuple(t.placements) == (Shard(0),):

@@ -61,12 +61,19 @@ class WeightReceiver:
 
     A sync is `post` (the receives, at once) and `load` (wait, write into the engine), so the
     caller can do other work while the bytes travel; `receive` does both.
+
+    `replay=False`: what `load` writes into is not an engine's weights but anything with
+    `load_weights` (an adapter of vLLM's, generator/lora_adapter.py), which gets every sync
+    as (name, full tensor) pairs; nothing is recorded or resharded.
     """
 
     def __init__(self, metas_by_sender: list[list[TensorMeta]], bucket_mb: int,
                  transport: ReceiverTransport, device: torch.device,
-                 solo_mb: float | None = None):
+                 solo_mb: float | None = None, replay: bool = True):
         assert len(metas_by_sender) == transport.spec.senders
+        assert replay or not (transport.spec.tp > 1 and transport.spec.reshard), \
+            "a sync that is not replayed into the engine's weights is not resharded"
+        self.replays = replay
         self.plans = [plan_buckets(m, bucket_mb << 20, solo_bytes_of(solo_mb))
                       for m in metas_by_sender]
         self.transport = transport
@@ -209,6 +216,9 @@ class WeightReceiver:
             self.replay = None  # the engine moved: record again (all bytes go to self.flats)
         if self.replay is not None:
             _copy_as_they_arrive(works, self.replay)
+            return len(self.order)
+        if not self.replays:  # (an adapter: it takes the tensors as they come, every sync)
+            model.load_weights(self._arrivals(works))
             return len(self.order)
         if self.problem is not None:
             model.load_weights(self._arrivals(works))

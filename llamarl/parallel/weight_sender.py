@@ -31,7 +31,7 @@ from llamarl.parallel.weight_plan import (
     slice_plan,
     solo_bytes_of,
 )
-from llamarl.trainer.lora import engine_name, merged_layers, merged_shard
+from llamarl.trainer.lora import adapter_name, engine_name, is_adapter, merged_layers, merged_shard
 
 
 class WeightSender:
@@ -54,12 +54,15 @@ class WeightSender:
     skips it. Such parameters must then not change until they are sent: `guard(optimizer)`
     makes the optimizer's step wait for the sync in flight (by then it is long sent: a step
     takes longer than a sync).
+
+    `adapters` (model.lora.sync adapters): a LoRA policy's adapters alone, each rank its
+    rows of every A and B (weight_plan.model_tensors), the same way as any FSDP2 shard.
     """
 
     def __init__(self, model: torch.nn.Module, rank: int, bucket_mb: int,
                  transport: SenderTransport | None, device: torch.device, store=None,
                  wire_dtype: torch.dtype | None = None, solo_mb: float | None = None,
-                 lost_grace_s: float = 0.0):
+                 lost_grace_s: float = 0.0, adapters: bool = False):
         self.rank = rank
         # `transport` may be set later (before the first publish): the shard layout (metas)
         # is published first, so the receivers can build theirs while this one connects.
@@ -69,7 +72,8 @@ class WeightSender:
         self.transport = transport
         self.lost_grace_s = lost_grace_s
         self.buffers = persistent_buffer_names(model)
-        self.metas = [m for m, _ in local_pieces(model, rank, self.buffers, wire_dtype)]
+        self.metas = [m for m, _ in local_pieces(model, rank, self.buffers, wire_dtype,
+                                                 adapters)]
         self._bucket_bytes, self._solo_bytes = bucket_mb << 20, solo_bytes_of(solo_mb)
         self.buckets = plan_buckets(self.metas, self._bucket_bytes, self._solo_bytes)
         self.syncs = 0  # syncs published
@@ -81,12 +85,17 @@ class WeightSender:
         # Where each tensor lives (its module's _parameters or _buffers dict, and its key),
         # resolved once: walking the module tree per sync cost ~0.5 ms for the tiny model.
         self._model = model
-        tensors = model_tensors(model, self.buffers)
+        tensors = model_tensors(model, self.buffers, adapters)
         # A LoRA policy's adapted linears (trainer/lora.py) are sent merged, W + s B A,
-        # computed from this rank's rows every sync: kind "merged", its LoRA layer as source.
-        merged = merged_layers(model)
-        origin = {engine_name(n): n for n, _ in model.named_parameters()}
-        origin.update((engine_name(n), n) for n, _ in model.named_buffers())
+        # computed from this rank's rows every sync: kind "merged", its LoRA layer as source
+        # (not when the adapters travel themselves).
+        merged = {} if adapters else merged_layers(model)
+        # the model's name of each tensor sent
+        if adapters:
+            origin = {adapter_name(n): n for n, _ in model.named_parameters() if is_adapter(n)}
+        else:
+            origin = {engine_name(n): n for n, _ in model.named_parameters()}
+            origin.update((engine_name(n), n) for n, _ in model.named_buffers())
         self._sources = [(name, merged[name], None, "merged") if name in merged else
                          (name, *_owner(model, origin[name]), _kind(t))
                          for name, t in tensors.items()]
@@ -108,11 +117,12 @@ class WeightSender:
                         for m, off in b.entries] for b, flat in zip(self.buckets, self._flats)]
         self._shapes = [[slot.shape for _, slot in slots] for slots in self._slots]
         # FSDP2 shards that already are in the wire dtype move into their slots for good
-        # (fsdp.place_shards): the parameter is the send buffer, and packing skips them.
-        # (A LoRA layer's W is `...base_layer.weight` there: never placed in the slot of
-        # its merged piece, which packing overwrites.)
-        self.placed = place_shards(model, {name: slot for slots in self._slots
-                                           for name, slot in slots})
+        # (fsdp.place_shards, by the model's names): the parameter is the send buffer, and
+        # packing skips them. (A LoRA layer's merged piece is no parameter: its W is never
+        # placed in that slot, which packing overwrites.)
+        kinds = {name: kind for name, _, _, kind in self._sources}
+        self.placed = place_shards(model, {origin[name]: slot for slots in self._slots
+                                           for name, slot in slots if kinds[name] != "merged"})
         self._works: list[tuple[int, Work]] = []  # (receiver, or -1: all) awaited by wait
         # gloo point to point: a thread waits for each sync's sends (see _track)
         self._waiter: threading.Thread | None = None

@@ -56,24 +56,30 @@ def open_weight_sync(side: str, spec: TransportSpec, bucket_mb: int, device: tor
                      lost_grace_s: float = 0.0,
                      publish_metas: Callable[[list[TensorMeta]], None] | None = None,
                      metas: list[list[TensorMeta]] | None = None,
+                     adapters: bool = False,
                      ) -> WeightSender | WeightReceiver:
     """Open one end of a weight sync over transport `spec.name` (sync.transport).
 
     side "send" (trainer rank spec.me): a WeightSender of `model`'s shards. Its shard layout
     goes to `publish_metas` before the transport connects (the receivers need every layout
     to build their end, and a torch group is built by all its members at once).
-    side "receive" (an engine): a WeightReceiver of the senders' layouts `metas`."""
+    side "receive" (an engine): a WeightReceiver of the senders' layouts `metas`.
+    `adapters` (model.lora.sync adapters): a LoRA policy's adapters alone are sent, and
+    received for an adapter of vLLM's (generator/lora_adapter.py), not the engine's weights
+    (no recorded replay, no resharding)."""
     transport = transport_module(spec.name)
     if side == "send":
         assert model is not None
         sender = WeightSender(model, spec.me, bucket_mb, None, device, store,
-                              wire_dtype=wire_dtype, solo_mb=solo_mb, lost_grace_s=lost_grace_s)
+                              wire_dtype=wire_dtype, solo_mb=solo_mb, lost_grace_s=lost_grace_s,
+                              adapters=adapters)
         if publish_metas is not None:
             publish_metas(sender.metas)
         sender.transport = transport.Sender(spec)
         return sender
     assert side == "receive" and metas is not None, side
-    return WeightReceiver(metas, bucket_mb, transport.Receiver(spec), device, solo_mb)
+    return WeightReceiver(metas, bucket_mb, transport.Receiver(spec), device, solo_mb,
+                          replay=not adapters)
 
 
 def announced_version(store, index: int) -> int:

@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from llamarl.algorithms.registry import ALGORITHMS
 from llamarl.buffer.channel import open_channel
 from llamarl.buffer.record import RolloutBatch
+from llamarl.config import adapter_sync
 from llamarl.launch.cores import threads_for
 from llamarl.launch.roster import Roster
 from llamarl.launch.runtime import (
@@ -111,7 +112,8 @@ def open_weight_sender(rt: Runtime, model: torch.nn.Module) -> WeightSender:
     sender = open_weight_sync(
         "send", spec, sync.bucket_mb, rt.device, sync.solo_mb, model=model, store=rt.store,
         wire_dtype=DTYPES[rt.cfg.model.dtype], lost_grace_s=sync.dead_peer_s + 5.0,
-        publish_metas=lambda metas: rt.store.set(f"wsync/meta/{r}", metas_to_json(metas)))
+        publish_metas=lambda metas: rt.store.set(f"wsync/meta/{r}", metas_to_json(metas)),
+        adapters=adapter_sync(rt.cfg))  # model.lora.sync adapters: A and B alone
     if survives_engine_loss(rt.cfg, rt.layout, rt.device):  # engines lost and replaced
         sender.transport.members = (
             FileMembers(rt, spec.directory) if sync.transport == "filesystem"

@@ -171,10 +171,17 @@ def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def adapter_name(name: str) -> str:
+    """An adapter parameter's name in PEFT's saved form, as `save_pretrained` writes it and
+    vLLM's LoRA loader reads it: `base_model.model.<name>` without the adapter name
+    (`...q_proj.lora_A.default.weight` -> `base_model.model....q_proj.lora_A.weight`)."""
+    return "base_model.model." + name.replace(f".{ADAPTER}.", ".")
+
+
 def adapter_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The adapters' full tensors in PEFT's saved form (`base_model.model.<name>` without the
-    adapter name), as `save_pretrained` writes them (a collective)."""
-    return {"base_model.model." + name.replace(f".{ADAPTER}.", "."): _full(t).detach()
+    """The adapters' full tensors in PEFT's saved form (`adapter_name`), as `save_pretrained`
+    writes them (a collective)."""
+    return {adapter_name(name): _full(t).detach()
             for name, t in model.state_dict().items() if is_adapter(name)}
 
 

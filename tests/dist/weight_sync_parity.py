@@ -7,7 +7,10 @@ the second replays the recorded copies straight from the receive buffers. With T
 engine's leader makes the comparisons while its other rank follows its calls (generator/tp.py):
 the engine's outputs need both ranks' shards, so they check every rank's weights. With
 OVERRIDES model.lora.rank=N the policy is a LoRA one (trainer/lora.py): only its adapters
-train, and the engine gets the merged weights W + s B A under the base model's names."""
+train, and the engine gets the merged weights W + s B A under the base model's names; with
+model.lora.sync=adapters too, the engine runs the base model from the checkpoint with vLLM's
+LoRA layers and gets A and B alone, and a third sync, of unchanged adapters, must leave its
+logprobs exactly as they were."""
 
 import json
 import os
@@ -29,6 +32,7 @@ PROMPTS = ["abc=", "hello=", "kjf=", "aaab=", "lkji=", "bca=", "hello world " * 
 def trainer(rt, model_dir):
     from transformers import AutoTokenizer
 
+    from llamarl.config import adapter_sync
     from llamarl.parallel.fsdp import apply_fsdp
     from llamarl.tiny.warmstart import sft_batches
     from llamarl.trainer.loop import init_trainer_group, open_weight_sender
@@ -46,7 +50,9 @@ def trainer(rt, model_dir):
     sender = open_weight_sender(rt, model)  # each trainer rank sends its own shards
     rt.wait_key("gen/before_done")
     pt = PolicyTrainer(model, rt.cfg.trainer, 8, 2, rt.device)
-    for sync, steps in ((1, range(5)), (2, range(5, 8))):
+    # adapter syncs: a third of unchanged adapters (no steps) must change nothing
+    syncs = ((1, range(5)), (2, range(5, 8))) + (((3, ()),) if adapter_sync(rt.cfg) else ())
+    for sync, steps in syncs:
         for step in steps:  # supervised steps: a real, large change of every weight
             mbs = sft_batches(tok, step, rt.role.index, 2, micro=32)
             n = float(sum(mb.mask.sum() for mb in mbs)) * 2
@@ -63,13 +69,15 @@ def trainer(rt, model_dir):
 
 
 def generator(rt, model_dir):
+    from llamarl.config import adapter_sync
     from llamarl.generator.engine import Engine
     from llamarl.generator.loop import engine_commands, engine_world, join_weight_groups
     from llamarl.generator.tp import follow_leader
 
     tp = rt.layout.tp
+    adapters = adapter_sync(rt.cfg)  # the base from the checkpoint, vLLM's LoRA layers
     engine = Engine(model_dir, rt.cfg.generator, "float32", seed=0, on_cpu=rt.on_cpu,
-                    world=engine_world(rt))
+                    world=engine_world(rt), lora_rank=rt.cfg.model.lora.rank if adapters else 0)
     join_weight_groups(rt, engine)
     if tp > 1:
         commands = engine_commands(rt)
@@ -83,10 +91,16 @@ def generator(rt, model_dir):
     sum_before = engine.checksum()
     rt.store.set("gen/before_done", "1")
     result = {"greedy_match": True, "max_abs_dlogprob": 0.0, "checksum_before": sum_before}
-    for sync in (1, 2):
+    for sync in (1, 2, 3) if adapters else (1, 2):
         engine.receive_weights()
         greedy = engine.generate(ids, 1, 0.0, 10, seed=0)
         sampled = engine.generate(ids, 4, 1.0, 10, seed=3)
+        if sync == 3:  # unchanged adapters: the very same samples and logprobs
+            result["unchanged"] = all(
+                a.token_ids == b.token_ids and a.logprobs == b.logprobs
+                for ga, gb in zip(greedy + sampled, last) for a, b in zip(ga, gb))
+            continue
+        last = greedy + sampled
         rt.wait_key(f"trainer/saved/{sync}")
         match, dlp = compare_with_hf(model_dir, os.environ["OUT"] + f".{sync}.pt", ids, greedy,
                                      sampled)
