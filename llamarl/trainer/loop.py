@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import resource
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -328,6 +329,10 @@ def run_trainer(rt: Runtime) -> None:
             # buffer cost: this rank's reads + the producers' writes (of the previous batch)
             "buffer_s": transfer_s + sum(i.get("prev_put_s", 0.0) for i in info),
             "broadcast_s": sender.last_broadcast_s,
+            # what this trainer rank sends per weight sync, and its peak resident memory so far
+            # (Linux's ru_maxrss is in KiB)
+            "sync_mib": sender.bytes_per_sync / 2**20,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }
         now = time.perf_counter()
         period = now - t_row
