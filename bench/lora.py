@@ -146,7 +146,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, help="default: the workload's")
     ap.add_argument("--eval-every", type=int, help="default: the workload's")
     ap.add_argument("--configs", nargs="+", choices=LEARNING, default=list(LEARNING))
-    ap.add_argument("--probe-steps", type=int, default=4,
+    ap.add_argument("--probe-steps", type=int, default=3,
                     help="steps of each adapters-mode probe (0: none)")
     ap.add_argument("--out", help="default: bench/results/lora_<workload>.json")
     ap.add_argument("--summarize", metavar="JSON", help="recompute a results file's summary")
