@@ -21,7 +21,9 @@ final held-out reward in at most a third of GRPO's steps. Reported per seed and 
 seeds: GRPO's held-out reward at its last step (the target), the first evaluation step (and
 the wall clock of training up to it) at which distillation reaches the seed's target and the
 median target, the first steps at which each method reaches THRESHOLDS, and both curves.
-`--summarize FILE` recomputes the summary of a results file.
+`--summarize FILE` recomputes the summary of a results file (with the invocation's
+--workload and --grpo-steps), or makes one of the .partial.json an interrupted invocation
+leaves (written after every run).
 """
 
 from __future__ import annotations
@@ -160,8 +162,8 @@ def main() -> int:
     args.out = args.out or str(ROOT / "bench" / "results" / (
         "distill.json" if args.workload == "tiny" else f"distill_{args.workload}.json"))
     if args.summarize:
-        result = json.loads(Path(args.summarize).read_text())
-        result["summary"] = summarize(result["runs"], result["summary"]["grpo_steps"])
+        result = json.loads(Path(args.summarize).read_text())  # (or a .partial.json)
+        result["summary"] = summarize(result["runs"], args.grpo_steps)
         Path(args.summarize).write_text(json.dumps(result, indent=1) + "\n")
         print(json.dumps({k: v for k, v in result["summary"].items() if k != "curves"},
                          indent=1))
@@ -178,14 +180,19 @@ def main() -> int:
             print(f"{algo} seed {seed}: held-out "
                   + " ".join(f"{p['step']}:{p['reward_mean']:.3f}" for p in r["points"])
                   + f" (step {r['step_s_median']:.2f} s)", flush=True)
+            # after every run, so that an interrupted invocation keeps what it ran
+            partial = Path(args.out).with_suffix(".partial.json")
+            partial.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
     if set(args.algos) != set(RECIPES):  # one side only: its curves, no comparison
         result = {"summary": {"grpo_steps": args.grpo_steps, "curves": {
             a: median_curve([r for r in runs if r["algo"] == a]) for a in args.algos}},
             "runs": runs}
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        partial.unlink(missing_ok=True)
         return 0
     result = {"summary": summarize(runs, args.grpo_steps), "runs": runs}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    partial.unlink(missing_ok=True)
     s = result["summary"]
     print(f"GRPO final held-out (median over seeds, step {args.grpo_steps}): "
           f"{s['target_median_grpo_final']:.3f}; distillation reaches each seed's in "
