@@ -122,6 +122,7 @@ class LoopbackTransport:
     tests/test_weight_transport.py). The outboxes are per sender."""
 
     posts_early = False
+    ordered = False  # (ReceiverTransport's attributes: one sender's receives need no order)
 
     def __init__(self, senders: int):
         from llamarl.parallel.transports.base import TransportSpec

@@ -73,7 +73,7 @@ class WeightReceiver:
         assert len(metas_by_sender) == transport.spec.senders
         assert replay or not (transport.spec.tp > 1 and transport.spec.reshard), \
             "a sync that is not replayed into the engine's weights is not resharded"
-        self.replays = replay
+        self.into_weights = replay  # False: every sync goes to load_weights as it comes
         self.plans = [plan_buckets(m, bucket_mb << 20, solo_bytes_of(solo_mb))
                       for m in metas_by_sender]
         self.transport = transport
@@ -131,7 +131,7 @@ class WeightReceiver:
             targets = self.slice_flats
         works: list[list[Work]] = [[] for _ in targets]
         self.transport.begin()
-        if getattr(self.transport, "ordered", False):  # (a transport of one's own may lack it)
+        if self.transport.ordered:
             # NCCL: sender by sender, each sender's broadcasts waited for (on NCCL a wait
             # orders the GPU streams and returns at once) before the next sender's are posted,
             # so this GPU runs one weight communicator at a time, in the same order on every
@@ -217,7 +217,7 @@ class WeightReceiver:
         if self.replay is not None:
             _copy_as_they_arrive(works, self.replay)
             return len(self.order)
-        if not self.replays:  # (an adapter: it takes the tensors as they come, every sync)
+        if not self.into_weights:  # (an adapter: it takes the tensors as they come)
             model.load_weights(self._arrivals(works))
             return len(self.order)
         if self.problem is not None:
