@@ -31,12 +31,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-from launch_logs import torchrun_logs_in_temp
+from launch_logs import launch_recipe, torchrun_logs_in_temp
 
 ROOT = Path(__file__).resolve().parents[1]
 # workload -> (its recipes, GRPO steps, distillation steps, evaluation every)
@@ -52,17 +50,12 @@ THRESHOLDS = (0.5, 0.6, 0.65, 0.7)  # held-out rewards whose first step each met
 
 def run(algo: str, seed: int, steps: int, eval_every: int, extra: list[str]) -> dict:
     """One launch; its held-out reward at every evaluation with the training wall clock."""
-    out = Path(tempfile.mkdtemp(prefix=f"llamarl-distill-{algo}-s{seed}-"))
-    args = [RECIPES[algo], f"run.steps={steps}", f"run.eval_every={eval_every}",
-            f"run.seed={seed}", f"run.output_dir={out}", "run.checkpoint_every=0", *extra]
-    with open(out / "log.txt", "w") as log:
-        subprocess.run([sys.executable, "-m", "llamarl.launch", *args], cwd=ROOT, check=True,
-                       stdout=log, stderr=subprocess.STDOUT)
-    (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
-    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    evals = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
+    args = [f"run.steps={steps}", f"run.eval_every={eval_every}", f"run.seed={seed}",
+            "run.checkpoint_every=0", *extra]
+    run_dir, metrics, evals = launch_recipe(RECIPES[algo], args,
+                                            f"llamarl-distill-{algo}-s{seed}-")
     elapsed = {m["step"]: m["elapsed_s"] for m in metrics}
-    return {"algo": algo, "seed": seed, "settings": args[1:], "run_dir": str(run_dir),
+    return {"algo": algo, "seed": seed, "settings": args, "run_dir": str(run_dir),
             "points": [{"step": e["step"], "wall_s": elapsed.get(e["step"], 0.0),
                         "reward_mean": e["reward_mean"],
                         "reward_mean_greedy": e["reward_mean_greedy"]} for e in evals],

@@ -36,12 +36,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-from launch_logs import torchrun_logs_in_temp
+from launch_logs import launch_recipe, torchrun_logs_in_temp
 
 ROOT = Path(__file__).resolve().parents[1]
 # workload -> (recipe, full fine-tuning's lr, the adapters' lr, steps, evaluation every)
@@ -69,18 +67,11 @@ LEARNING = ("full", "r8", "r1")
 def run(workload: str, config: str, seed: int, steps: int, eval_every: int) -> dict:
     recipe, full_lr, lora_lr, _, _ = WORKLOADS[workload]
     lr = full_lr if config == "full" else lora_lr
-    out = Path(tempfile.mkdtemp(prefix=f"llamarl-lora-{config}-s{seed}-"))
-    args = [recipe, f"run.steps={steps}", f"run.eval_every={eval_every}", f"run.seed={seed}",
-            f"run.output_dir={out}", "run.checkpoint_every=0", *CONFIGS[config],
-            f"trainer.lr={lr}"]
-    with open(out / "log.txt", "w") as log:
-        subprocess.run([sys.executable, "-m", "llamarl.launch", *args], cwd=ROOT, check=True,
-                       stdout=log, stderr=subprocess.STDOUT)
-    (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
-    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    evals = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
+    args = [f"run.steps={steps}", f"run.eval_every={eval_every}", f"run.seed={seed}",
+            "run.checkpoint_every=0", *CONFIGS[config], f"trainer.lr={lr}"]
+    run_dir, metrics, evals = launch_recipe(recipe, args, f"llamarl-lora-{config}-s{seed}-")
     later = metrics[1:] or metrics  # step 1 includes compilation and first-touch costs
-    return {"config": config, "seed": seed, "settings": args[1:], "run_dir": str(run_dir),
+    return {"config": config, "seed": seed, "settings": args, "run_dir": str(run_dir),
             "points": [{"step": e["step"], "reward_mean": e["reward_mean"],
                         "reward_mean_greedy": e["reward_mean_greedy"]} for e in evals],
             "step_s_median": statistics.median(m["step_time_s"] for m in later),
