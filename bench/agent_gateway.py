@@ -11,6 +11,17 @@ gateway's queue, rendering, the engine, the response), and the CPU seconds per c
 the generator process and of the environment / agent worker processes.
 
     python bench/agent_gateway.py     (builds the tiny lookup warm start if needed)
+
+Workload smollm2 (--workload smollm2): whole training runs on the real model, where the
+gateway's step goal is judged: recipes/smollm2_tool_cpu.yaml (the multiply task through the
+in-process multi-turn source) and recipes/smollm2_agent_cpu.yaml (the same task as an
+OpenAI-client agent through the gateway), one after the other for each of --seeds, with the
+same prompts and settings. Per run: the median step and its split (wait for the engine,
+update), over the steps that no evaluation precedes (an evaluation runs on the engine
+between steps and would be counted in the next step's wait), the turns and tool calls per
+episode, the held-out reward at each evaluation, and the gateway's prefix breaks.
+
+    python bench/agent_gateway.py --workload smollm2 [--seeds 0 1] [--steps 10]
 """
 
 from __future__ import annotations
@@ -168,6 +179,59 @@ def _note_latency(engine) -> list[float]:
     return out
 
 
+def _steady(metrics: list[dict], key: str, eval_every: int) -> float:
+    """Median of `key` over the steps no evaluation precedes (steps 1, e+1, 2e+1, ... wait
+    for one: the evaluation before them runs on the engine)."""
+    return statistics.median(m[key] for m in metrics if (m["step"] - 1) % eval_every)
+
+
+def smollm2_side_by_side(seeds: list[int], steps: int, out: str) -> dict:
+    """The two SmolLM2 recipes, trained one after the other per seed (module docstring)."""
+    import os
+
+    from launch_logs import launch_recipe, torchrun_logs_in_temp
+
+    from llamarl.config import load_config
+
+    torchrun_logs_in_temp()
+    recipes = {"in_process_multi_turn": "recipes/smollm2_tool_cpu.yaml",
+               "gateway_agent": "recipes/smollm2_agent_cpu.yaml"}
+    result = {"workload": "smollm2", "recipes": recipes, "steps": steps, "runs": []}
+    for seed in seeds:
+        for name, recipe in recipes.items():
+            run_dir, metrics, evals = launch_recipe(
+                recipe, [f"run.seed={seed}", f"run.steps={steps}"],
+                f"llamarl-gateway-{name}-s{seed}-")
+            every = load_config(recipe).run.eval_every
+            row = {"source": name, "seed": seed,
+                   "step_s_median": round(_steady(metrics, "step_time_s", every), 2),
+                   "wait_s_median": round(_steady(metrics, "wait_s", every), 2),
+                   "train_s_median": round(_steady(metrics, "train_s", every), 2),
+                   "turns_per_episode": round(statistics.median(
+                       m["turns_per_episode"] for m in metrics), 3),
+                   "tool_calls_per_episode_last": metrics[-1]["tool_calls_per_episode"],
+                   "held_out": {e["step"]: round(e["reward_mean"], 4) for e in evals},
+                   "held_out_greedy": {e["step"]: round(e["reward_mean_greedy"], 4)
+                                       for e in evals if "reward_mean_greedy" in e},
+                   "total_s": round(metrics[-1]["elapsed_s"], 1)}
+            if name == "gateway_agent":
+                row["prefix_breaks"] = sum(m.get("prefix_breaks", 0) for m in metrics)
+                row["agent_errors"] = sum(m.get("agent_errors", 0) + m.get("agent_timeouts", 0)
+                                          for m in metrics)
+            result["runs"].append(row)
+            print(json.dumps(row), flush=True)
+            Path(out + ".partial.json").write_text(json.dumps(result, indent=1) + "\n")
+    ratios = []
+    for seed in seeds:
+        a, b = (next(r for r in result["runs"] if r["seed"] == seed and r["source"] == n)
+                for n in ("gateway_agent", "in_process_multi_turn"))
+        ratios.append(a["step_s_median"] / b["step_s_median"])
+    result["step_ratio_per_seed"] = [round(r, 3) for r in ratios]
+    result["step_ratio_median"] = round(statistics.median(ratios), 3)
+    result["load_average_1m"] = os.getloadavg()[0]  # the machine may be shared
+    return result
+
+
 def main() -> None:
     import torch
 
@@ -184,8 +248,19 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--leak-steps", type=int, default=200,
                     help="collections of 64 sleepy-tool episodes for the fd/connection check")
-    ap.add_argument("--out", default="bench/results/agent_gateway.json")
+    ap.add_argument("--out", help="default: bench/results/agent_gateway.json (tiny), "
+                    "agent_gateway_smollm2.json (smollm2)")
+    ap.add_argument("--workload", choices=("tiny", "smollm2"), default="tiny")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="smollm2 only")
+    ap.add_argument("--steps", type=int, default=10, help="smollm2 only: steps per run")
     args = ap.parse_args()
+    if args.workload == "smollm2":
+        out = args.out or "bench/results/agent_gateway_smollm2.json"
+        result = smollm2_side_by_side(args.seeds, args.steps, out)
+        print(json.dumps(result, indent=1))
+        Path(out).write_text(json.dumps(result, indent=1) + "\n")
+        return
+    args.out = args.out or "bench/results/agent_gateway.json"
     path = warm_start_dir("lookup")
     if not (path / "config.json").is_file():
         run_warm_start("lookup", path, None, torch.device("cpu"))

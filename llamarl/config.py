@@ -24,6 +24,7 @@ from llamarl.algorithms.registry import (
     POLICY_LOSSES,
     is_import_path,
 )
+from llamarl.envs import BUILTIN_AGENTS, BUILTIN_ENVS
 
 
 @dataclass
@@ -315,7 +316,8 @@ class RolloutConfig:
     # docs/agents.md), or "module:Class", a RolloutSource of your own.
     source: str = "single_turn"
     # multi_turn: the environment, "module:Class" (an llamarl.rollout.Environment), or a
-    # built-in: "lookup" (the tiny tool task), "calculator" (GSM8K with a calculator tool).
+    # built-in (llamarl/envs/__init__.py): "lookup" (the tiny tool task), "calculator" (GSM8K
+    # with a calculator tool), "multiply" (products with a calculator, for SmolLM2).
     env: str = ""
     # How tool calls are written in the model's output (llamarl/rollout/tool_calls.py):
     # "hermes" (<tool_call>{"name": ..., "arguments": {...}}</tool_call>, Qwen2.5 and most
@@ -334,7 +336,8 @@ class RolloutConfig:
     threads_per_worker: int = 16  # concurrent calls per worker (tools that wait overlap)
     # agent: "module:function", f(client, row) -> reward or {"reward": r, "metrics": {...}}
     # (sync or async; client: an openai.OpenAI / AsyncOpenAI whose base_url is this engine's
-    # gateway), or "lookup" (the tiny tool task as an agent, llamarl/envs/lookup_agent.py).
+    # gateway), or a built-in (llamarl/envs/__init__.py): "lookup" (the tiny tool task as an
+    # agent), "multiply" (the multiply task as an agent).
     agent: str = ""
     agent_timeout_s: float = 60.0  # per agent episode, every model call and tool included
     # The gateway (llamarl/gateway/): the address it binds (loopback unless you need the
@@ -751,10 +754,11 @@ def _validate_rollout(cfg: Config) -> None:
         _fail("rollout.source", ro.source,
               "use single_turn, multi_turn, agent or 'module:Class'")
     if ro.source == "agent":
-        if ro.agent != "lookup" and (":" not in ro.agent or ro.agent.startswith(":")
-                                     or ro.agent.endswith(":")):
+        if ro.agent not in BUILTIN_AGENTS and (":" not in ro.agent or ro.agent.startswith(":")
+                                               or ro.agent.endswith(":")):
             _fail("rollout.agent", ro.agent, "name the agent of rollout.source=agent: "
-                  "'module:function' (f(client, row) -> reward), or lookup")
+                  "'module:function' (f(client, row) -> reward), or "
+                  + " or ".join(BUILTIN_AGENTS))
         if not ro.agent_timeout_s > 0:
             _fail("rollout.agent_timeout_s", ro.agent_timeout_s, "must be > 0 (seconds)")
         if not 0 <= ro.gateway_port < 65536:
@@ -762,10 +766,9 @@ def _validate_rollout(cfg: Config) -> None:
     if ro.source == "multi_turn":
         if not ro.env:
             _fail("rollout.env", ro.env, "name the environment of rollout.source=multi_turn: "
-                  "'module:Class', lookup or calculator")
-        if ro.env not in ("lookup", "calculator") and (":" not in ro.env or
-                                                        ro.env.startswith(":")):
-            _fail("rollout.env", ro.env, "use 'module:Class', lookup or calculator")
+                  "'module:Class', or " + ", ".join(BUILTIN_ENVS))
+        if ro.env not in BUILTIN_ENVS and (":" not in ro.env or ro.env.startswith(":")):
+            _fail("rollout.env", ro.env, "use 'module:Class', or " + ", ".join(BUILTIN_ENVS))
     scored_by = {"agent": "agent episodes are scored by the agent's return value",
                  "multi_turn": "multi-turn episodes are scored by the environment's reward()"}
     if ro.source in scored_by:

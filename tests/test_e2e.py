@@ -223,10 +223,12 @@ def test_plot_writes_charts_and_a_chrome_trace(finished_run):
 # tiny_grpo_async_cpu.yaml (test_async_e2e.py), tiny_distill_cpu.yaml (test_distill.py, with a
 # teacher built in the test: the recipe's own teacher takes minutes to train),
 # tiny_agent_cpu.yaml (test_agent_gateway.py), smollm2_add_cpu.yaml and
-# smollm2_distill_cpu.yaml (test_smollm2_e2e.py; the latter's teacher takes minutes to train).
+# smollm2_distill_cpu.yaml (test_smollm2_e2e.py; the latter's teacher takes minutes to train),
+# smollm2_tool_cpu.yaml and smollm2_agent_cpu.yaml (test_smollm2_e2e.py).
 ELSEWHERE = {"tiny_tool_cpu.yaml", "tiny_grpo_cpu.yaml", "tiny_ppo_cpu.yaml",
              "tiny_grpo_tp2_cpu.yaml", "tiny_grpo_async_cpu.yaml", "tiny_distill_cpu.yaml",
-             "tiny_agent_cpu.yaml", "smollm2_add_cpu.yaml", "smollm2_distill_cpu.yaml"}
+             "tiny_agent_cpu.yaml", "smollm2_add_cpu.yaml", "smollm2_distill_cpu.yaml",
+             "smollm2_tool_cpu.yaml", "smollm2_agent_cpu.yaml"}
 CPU_RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*_cpu.yaml")
                      if p.name not in ELSEWHERE)
 

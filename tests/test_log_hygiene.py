@@ -17,6 +17,10 @@ def test_a_repeated_vllm_warning_is_printed_once(capsys):
         logger.warning("another")
         logger.warning("vLLM has deprecated support for supporting different tokenizers for "
                        "different LoRAs. By default, vLLM uses base model's tokenizer.")
+        try:  # as vllm/tool_parsers/hermes_tool_parser.py logs a model's malformed call
+            raise ValueError("Extra data")
+        except ValueError:
+            logger.exception("Error in extracting tool call from response.")
     finally:
         logger.removeHandler(handler)
     lines = capsys.readouterr().err.splitlines()

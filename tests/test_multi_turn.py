@@ -9,6 +9,7 @@ import pytest
 
 from llamarl.envs.calculator import CalculatorEnv, calculate
 from llamarl.envs.lookup import LookupEnv
+from llamarl.envs.multiply import MultiplyEnv
 from llamarl.rollout.env_worker import EnvPool
 from llamarl.rollout.tool_calls import parse_turn
 from llamarl.tiny import lookup
@@ -57,6 +58,33 @@ def test_environment_turns_run_tools_and_show_errors():
                             '"3*7"}}</tool_call>', "hermes")
     assert obs == [{"role": "tool", "content": "21"}] and counts["tool_calls"] == 1
     assert calc.reward("so #### 21") == 1.0
+
+
+def test_the_multiply_task_and_its_agent_run_the_same_calculator():
+    """The multiply environment's worked example is a call its own parser runs, its reward
+    is the numeric verifier on the final turn, and the agent version turns a reply's
+    tool_calls into the same results (or an "error: ..." observation)."""
+    from types import SimpleNamespace
+
+    from llamarl.envs.multiply_agent import run_call
+
+    env = MultiplyEnv({"prompt": "What is 237 * 82?", "answer": "19434"})
+    first = env.prompt()
+    assert [m["role"] for m in first] == ["system", "user", "assistant", "tool", "assistant",
+                                          "user"]
+    assert first[-1]["content"] == "What is 237 * 82?"
+    obs, counts = env.turn(first[2]["content"].replace("214 * 37", "237 * 82"), "hermes")
+    assert obs == [{"role": "tool", "content": "19434"}] and counts["tool_calls"] == 1
+    assert env.reward("19434") == 1.0 and env.reward("19,434") == 1.0
+    assert env.reward("It is 19434, not 19435") == 0.0 and env.reward("") == 0.0
+
+    def call(name, arguments):
+        return SimpleNamespace(function=SimpleNamespace(name=name, arguments=arguments))
+
+    assert run_call(call("calculate", '{"expression": "237 * 82"}')) == "19434"
+    assert run_call(call("calc", '{"expression": "1"}')).startswith("error: there is no tool")
+    assert run_call(call("calculate", '{"expr": "1"}')).startswith("error: calculate raised")
+    assert run_call(call("calculate", "not json")).startswith("error: calculate raised")
 
 
 def _run(pool, calls, deadline_s=30.0):

@@ -12,6 +12,11 @@
   "vLLM has deprecated support for supporting different tokenizers for different LoRAs...":
   about a tokenizer in the adapter's directory, which llamarl's in-memory adapter has none
   of (generator/lora_adapter.py): dropped.
+* vLLM's tool-call parsers' "Error in extracting tool call from response." with a JSON
+  traceback (the gateway's /v1/chat/completions, rollout.tool_parser): a policy writes
+  malformed calls while it learns, and the parser then returns the reply as plain content,
+  which the agent sees as it would from any OpenAI-style server. An expected event of
+  training, not of the run: dropped.
 * `torch.distributed.reduce_op is deprecated` (FutureWarning, with its source line): vLLM's
   kernel dispatcher reads every attribute of the modules it scans, torch.distributed's
   deprecated alias among them, at import. Nothing the user or llamarl calls: ignored.
@@ -25,7 +30,8 @@ import sys
 import warnings
 
 # Messages of vLLM's that say nothing about a llamarl run (the docstring above), by their start
-DROPPED = ("vLLM has deprecated support for supporting different tokenizers for different LoRAs",)
+DROPPED = ("vLLM has deprecated support for supporting different tokenizers for different LoRAs",
+           "Error in extracting tool call from response")
 
 
 class OncePerMessage(logging.Filter):

@@ -29,10 +29,9 @@ import signal
 import threading
 import time
 
+from llamarl.envs import BUILTIN_AGENTS
 from llamarl.rewards.sandbox import spawn_worker
 from llamarl.rollout.env_worker import EnvPool, serve_calls
-
-BUILTIN_AGENTS = {"lookup": "llamarl.envs.lookup_agent:lookup_agent"}
 
 
 def resolve_agent(name: str):

@@ -44,12 +44,11 @@ Outcome = tuple[str, object]  # ("ok", value) | ("error", message) | ("timeout",
 
 
 def _resolve_env(name: str):
+    from llamarl.envs import BUILTIN_ENVS
     from llamarl.imports import import_path
     from llamarl.rollout.environment import Environment
 
-    builtins = {"lookup": "llamarl.envs.lookup:LookupEnv",
-                "calculator": "llamarl.envs.calculator:CalculatorEnv"}
-    cls = import_path(builtins.get(name, name), f"rollout.env {name!r}")
+    cls = import_path(BUILTIN_ENVS.get(name, name), f"rollout.env {name!r}")
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise ValueError(f"rollout.env {name!r} is not a subclass of "
                          "llamarl.rollout.Environment")
