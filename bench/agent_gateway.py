@@ -209,7 +209,9 @@ def smollm2_side_by_side(seeds: list[int], steps: int, out: str) -> dict:
                    "train_s_median": round(_steady(metrics, "train_s", every), 2),
                    "turns_per_episode": round(statistics.median(
                        m["turns_per_episode"] for m in metrics), 3),
-                   "tool_calls_per_episode_last": metrics[-1]["tool_calls_per_episode"],
+                   # the agent runs its tools itself and reports them as a metric
+                   "tool_calls_per_episode_last": metrics[-1].get(
+                       "agent_tool_calls", metrics[-1]["tool_calls_per_episode"]),
                    "held_out": {e["step"]: round(e["reward_mean"], 4) for e in evals},
                    "held_out_greedy": {e["step"]: round(e["reward_mean_greedy"], 4)
                                        for e in evals if "reward_mean_greedy" in e},

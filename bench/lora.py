@@ -4,6 +4,8 @@ trainer peak RSS, step time and bytes per weight sync, for each of --seeds.
     python bench/lora.py [--workload smollm2|tiny] [--seeds 0 1 2] [--steps N]
                          [--eval-every N] [--configs full r8 r1] [--out FILE]
     python bench/lora.py --summarize FILE       # recompute the summary of a results file
+    python bench/lora.py --seeds 0 --steps 3 --eval-every 0 --probe-steps 0 \
+        --set trainer.micro_batch_size=8 --out F   # memory and step time only (no evaluations)
 
 Workload smollm2 (the default): recipes/smollm2_add_cpu.yaml (SmolLM2-135M-Instruct, 2-digit
 additions, 1 trainer rank + 1 engine, bf16 over float32 masters, 16 x 8 samples), 20 steps,
@@ -64,11 +66,12 @@ CONFIGS = {  # name -> overrides (lr filled in per workload)
 LEARNING = ("full", "r8", "r1")
 
 
-def run(workload: str, config: str, seed: int, steps: int, eval_every: int) -> dict:
+def run(workload: str, config: str, seed: int, steps: int, eval_every: int,
+        extra: list[str] = ()) -> dict:
     recipe, full_lr, lora_lr, _, _ = WORKLOADS[workload]
     lr = full_lr if config == "full" else lora_lr
     args = [f"run.steps={steps}", f"run.eval_every={eval_every}", f"run.seed={seed}",
-            "run.checkpoint_every=0", *CONFIGS[config], f"trainer.lr={lr}"]
+            "run.checkpoint_every=0", *CONFIGS[config], f"trainer.lr={lr}", *extra]
     run_dir, metrics, evals = launch_recipe(recipe, args, f"llamarl-lora-{config}-s{seed}-")
     later = metrics[1:] or metrics  # step 1 includes compilation and first-touch costs
     return {"config": config, "seed": seed, "settings": args, "run_dir": str(run_dir),
@@ -102,7 +105,11 @@ def summarize(runs: list[dict]) -> dict:
         med[c]["curve"] = [{"step": p["step"], "reward_mean": statistics.median(
             r["points"][i]["reward_mean"] for r in rs)} for i, p in enumerate(rs[0]["points"])]
     goals = {}
-    if "full" in med:
+    if "full" in med and "final_reward_range" not in med["full"]:  # no evaluations: memory
+        goals = {c: {"peak_rss_ratio": med[c]["peak_rss_mib"] / med["full"]["peak_rss_mib"],
+                     "step_ratio": med[c]["step_s_median"] / med["full"]["step_s_median"]}
+                 for c in med if c in LEARNING and c != "full"}
+    elif "full" in med:
         full = med["full"]
         lo, hi = full["final_reward_range"]
         # the seeds' spread, and at least two standard errors of the difference of two held-out
@@ -139,6 +146,9 @@ def main() -> int:
     ap.add_argument("--configs", nargs="+", choices=LEARNING, default=list(LEARNING))
     ap.add_argument("--probe-steps", type=int, default=3,
                     help="steps of each adapters-mode probe (0: none)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a recipe override for every run (for example "
+                         "trainer.micro_batch_size=8)")
     ap.add_argument("--out", help="default: bench/results/lora_<workload>.json")
     ap.add_argument("--summarize", metavar="JSON", help="recompute a results file's summary")
     args = ap.parse_args()
@@ -149,7 +159,8 @@ def main() -> int:
         print(json.dumps(result["summary"]["goals"], indent=1))
         return 0
     _, _, _, steps, eval_every = WORKLOADS[args.workload]
-    steps, eval_every = args.steps or steps, args.eval_every or eval_every
+    steps = args.steps or steps
+    eval_every = eval_every if args.eval_every is None else args.eval_every
     out = Path(args.out or ROOT / "bench" / "results" / f"lora_{args.workload}.json")
     torchrun_logs_in_temp()
     runs = []
@@ -158,7 +169,7 @@ def main() -> int:
         todo += [(f"{c}-adapters", args.seeds[0], args.probe_steps, 0)
                  for c in args.configs if c != "full"]
     for config, seed, n, every in todo:  # the configurations take turns within each seed
-        r = run(args.workload, config, seed, n, every)
+        r = run(args.workload, config, seed, n, every, args.set)
         runs.append(r)
         print(f"{config} seed {seed}: held-out "
               + " ".join(f"{p['step']}:{p['reward_mean']:.3f}" for p in r["points"])

@@ -212,6 +212,32 @@ def test_export_writes_a_peft_adapter_and_the_merged_model(two_ranks, tmp_path):
         assert torch.equal(saved["base_model.model." + name], t), name
 
 
+def test_a_frozen_base_kept_in_the_compute_dtype_takes_the_same_update(two_ranks):
+    """With bfloat16 compute, a base stored in bfloat16 (lora.store_frozen_in, what the
+    trainer does) gives the update a float32 base gives bit for bit: FSDP2 casts every
+    parameter to bfloat16 for the forward either way. Only the merged weights differ, by the
+    base's bfloat16 rounding, and the base takes half the memory."""
+    f32, b16 = two_ranks["bf16_twins"]
+    assert f32["dtypes"] == ["torch.float32"]
+    assert b16["dtypes"] == ["torch.bfloat16", "torch.float32"]
+    assert b16["saved"] == 2 * b16["frozen"] > 0 and f32["saved"] == 0
+    for key in ("loss", "grad_norm", "kl_ref"):
+        assert f32["stats"][key] == b16["stats"][key], key
+    for name, t in f32["adapters"].items():
+        assert torch.equal(b16["adapters"][name], t), name
+    adapted = {k.replace(".lora_A.default.weight", ".weight") for k in f32["adapters"]
+               if ".lora_A." in k}
+    assert adapted
+    for name, t in f32["merged"].items():
+        got = b16["merged"][name]
+        if name in adapted:  # W + s B A, computed in float32 from W as stored: W's rounding
+            w = two_ranks["base_before"][name.replace(".weight", ".base_layer.weight")]
+            assert got.dtype == torch.float32, name
+            assert torch.allclose(got - t, w.to(torch.bfloat16).float() - w, atol=1e-6), name
+        else:  # a frozen tensor as stored
+            assert torch.equal(got, t.to(torch.bfloat16)), name
+
+
 def test_two_ranks_take_the_update_of_one_process(two_ranks):
     """The first update of tests/dist/lora_policy_step.py (two FSDP2 ranks, half the batch
     each) is the update one unsharded process takes on the whole batch: FSDP2 reduces the

@@ -55,6 +55,7 @@ from llamarl.trainer.lora import (
     add_adapters,
     has_adapters,
     merged_state_dict,
+    store_frozen_in,
     trainable_count,
 )
 from llamarl.trainer.metrics import MetricsLog, MismatchWatch
@@ -185,8 +186,11 @@ def run_trainer(rt: Runtime) -> None:
     if cfg.model.lora.rank:  # before sharding: adapters are sharded like every parameter
         add_adapters(model, cfg.model.lora, cfg.run.seed)
         trained, total = trainable_count(model)
+        saved = store_frozen_in(model, DTYPES[cfg.model.dtype])
         log(rt, f"LoRA rank {cfg.model.lora.rank} on {', '.join(cfg.model.lora.target_modules)}"
-                f": {trained} of {total} parameters trained ({100 * trained / total:.2f}%)")
+                f": {trained} of {total} parameters trained ({100 * trained / total:.2f}%), "
+                f"the frozen base kept in {cfg.model.dtype}"
+                + (f" ({saved / 2**20:.0f} MiB less)" if saved else ""))
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     check_tokenizer(tokenizer, model_path)

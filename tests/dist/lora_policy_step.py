@@ -14,6 +14,10 @@ to $OUT:
                       (meta.json names MODEL_DIR, the base: build_model(seed=0) saved)
   resumed             the second update again, from the checkpoint written after the first,
                       into a fresh model: its adapters (full), to compare with the first run's
+  bf16_twins          with bfloat16 compute, the first update of a policy whose frozen base
+                      stays float32 and of one whose base is kept in bfloat16
+                      (lora.store_frozen_in): their stats, adapters after, merged weights,
+                      and the bytes the second saved
 """
 
 import dataclasses
@@ -34,7 +38,12 @@ from llamarl.parallel.weight_sender import WeightSender  # noqa: E402
 from llamarl.tiny.model import build_model  # noqa: E402
 from llamarl.trainer import checkpoint  # noqa: E402
 from llamarl.trainer.loop import load_reference  # noqa: E402
-from llamarl.trainer.lora import add_adapters, is_adapter, merged_state_dict  # noqa: E402
+from llamarl.trainer.lora import (  # noqa: E402
+    add_adapters,
+    is_adapter,
+    merged_state_dict,
+    store_frozen_in,
+)
 from llamarl.trainer.policy import pad_rollouts, token_logprobs  # noqa: E402
 from llamarl.trainer.rl_step import policy_step  # noqa: E402
 from llamarl.trainer.step import PolicyTrainer  # noqa: E402
@@ -117,6 +126,25 @@ if __name__ == "__main__":
     out["adapters_1"] = adapters_1
     out["checkpoint"] = str(checkpoint.latest(run))
     out["checkpoint_files"] = sorted(p.name for p in checkpoint.latest(run).iterdir())
+
+    # bfloat16 compute: the frozen base stored in bfloat16 against a float32 base that FSDP2
+    # casts for every forward
+    twins = []
+    for keep in (False, True):
+        m, _ = build_model(seed=0)
+        add_adapters(m, cfg.model.lora, seed=cfg.run.seed)
+        frozen = sum(p.numel() for p in m.parameters() if not p.requires_grad)
+        saved = store_frozen_in(m, torch.bfloat16) if keep else 0
+        apply_fsdp(m, mesh, torch.bfloat16)
+        t = PolicyTrainer(m, cfg.trainer, 2, world, device)
+        s = policy_step(t, batches[0], cfg, tok.pad_token_id,
+                        reference=load_reference(cfg, "", mesh, device, policy=m))
+        twins.append({"stats": s, "saved": saved, "frozen": frozen,
+                      "dtypes": sorted({str(p.dtype) for p in m.parameters()}),
+                      "adapters": {k: v for k, v in full(m.state_dict()).items()
+                                   if is_adapter(k)},
+                      "merged": {k: v.cpu() for k, v in merged_state_dict(m).items()}})
+    out["bf16_twins"] = twins
     if rank == 0:
         torch.save(out, os.environ["OUT"])
     dist.barrier()
