@@ -1,15 +1,15 @@
 """Products with a calculator tool, for a small chat model (SmolLM2-135M-Instruct).
 
-"What is 237 * 82?": a 3-digit by 2-digit product, which a 135M model cannot work out
-(sampled from the base model, about 1 answer in 100 is right) but can read off a tool. The
-model calls `calculate(expression)` in the Hermes format, sees the result as a "tool"
-message through its own chat template, and ends with the number; the reward is the built-in
-numeric verifier (the last number) on that final turn.
+"What is 237 * 82?": a 3-digit by 2-digit product, which a 135M model cannot work out but
+can read off a tool (the base model's sampled episodes get 2-5% of the held-out ones right,
+its greedy ones 68%, calling the tool). The model calls `calculate(expression)` in the Hermes
+format, sees the result as a "tool" message through its own chat template, and ends with the
+number; the reward is the built-in numeric verifier (the last number) on that final turn.
 
 SmolLM2's template has no tool section, so the tool is described in the system prompt, and
 one worked example conversation (question, call, result, answer) precedes the question: with
-it, about half of the base model's first turns are tool calls, a few of them right (see the
-recipe's header); without it none are.
+it, about half of the base model's sampled first turns begin a tool call (27 of 48 tried);
+with the example written out in the system prompt instead, none did (0 of 24).
 
     rollout.source: multi_turn         rollout.source: agent
     rollout.env: multiply              rollout.agent: multiply (envs/multiply_agent.py)

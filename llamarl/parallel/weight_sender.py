@@ -100,6 +100,10 @@ class WeightSender:
                          (name, *_owner(model, origin[name]), _kind(t))
                          for name, t in tensors.items()]
         self._alive: dict[str, torch.Tensor] = {}  # the sync in flight's merged pieces
+        # merged pieces are made in the wire dtype: every one is alive until the sync's sends
+        # are done, and packing would cast them to it anyway (half the memory in bfloat16)
+        self._merged_dtype = {m.name: DTYPES_BY_NAME[m.dtype] for m in self.metas
+                              if m.name in merged}
         # Buckets sent straight from their one tensor (not a replicated one: that is gathered
         # anew every sync) get no buffer (None) and no slots.
         own = {}
@@ -140,7 +144,8 @@ class WeightSender:
             # again after every forward and backward, and Module.__getattr__ costs ~1.5 us
             # a tensor (a third of this loop's time for the tiny model).
             if kind == "merged":  # a collective (A is gathered): same order on every rank
-                out[name] = merged_shard(registry)
+                piece = merged_shard(registry)
+                out[name] = piece.to(self._merged_dtype.get(name, piece.dtype))
                 continue
             t = registry[key]
             if kind == "shard":
