@@ -5,7 +5,8 @@ trainer peak RSS, step time and bytes per weight sync, for each of --seeds.
                          [--eval-every N] [--configs full r8 r1] [--out FILE]
     python bench/lora.py --summarize FILE       # recompute the summary of a results file
     python bench/lora.py --seeds 0 --steps 3 --eval-every 0 --probe-steps 0 \
-        --set trainer.micro_batch_size=8 --out F   # memory and step time only (no evaluations)
+        --set trainer.micro_batch_size=8 --out F   # memory and step time (evaluated before
+                                                   # and after only)
 
 Workload smollm2 (the default): recipes/smollm2_add_cpu.yaml (SmolLM2-135M-Instruct, 2-digit
 additions, 1 trainer rank + 1 engine, bf16 over float32 masters, 16 x 8 samples), 20 steps,
@@ -105,11 +106,7 @@ def summarize(runs: list[dict]) -> dict:
         med[c]["curve"] = [{"step": p["step"], "reward_mean": statistics.median(
             r["points"][i]["reward_mean"] for r in rs)} for i, p in enumerate(rs[0]["points"])]
     goals = {}
-    if "full" in med and "final_reward_range" not in med["full"]:  # no evaluations: memory
-        goals = {c: {"peak_rss_ratio": med[c]["peak_rss_mib"] / med["full"]["peak_rss_mib"],
-                     "step_ratio": med[c]["step_s_median"] / med["full"]["step_s_median"]}
-                 for c in med if c in LEARNING and c != "full"}
-    elif "full" in med:
+    if "full" in med:
         full = med["full"]
         lo, hi = full["final_reward_range"]
         # the seeds' spread, and at least two standard errors of the difference of two held-out
