@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -100,6 +101,14 @@ def child_env(**extra) -> dict:
     env["PYTHONUNBUFFERED"] = "1"
     env.update({k: str(v) for k, v in extra.items()})
     return env
+
+
+def complete_rows(path: Path) -> list[dict]:
+    """The rows of a JSON-lines log that a running job is still appending to: only lines
+    that end in a newline (a reader can land between the writer's pieces of a row; CI saw
+    metrics.jsonl end in 90 characters of one)."""
+    text = Path(path).read_text()
+    return [json.loads(x) for x in text[:text.rfind("\n") + 1].splitlines() if x.strip()]
 
 
 def rank_line(out: str, who: str) -> str | None:

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, child_env, rank_line, torchrun
+from conftest import ROOT, child_env, complete_rows, rank_line, torchrun
 
 pytestmark = pytest.mark.slow
 RECIPE = "recipes/tiny_grpo_cpu.yaml"
@@ -142,14 +142,14 @@ def test_killed_rank_stops_every_rank_with_a_named_error(tmp_path, cache_dir, vi
         while time.monotonic() < deadline:
             runs = run_dirs(tmp_path)
             metrics = runs[0] / "metrics.jsonl" if runs else None
-            if metrics and metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            if metrics and metrics.exists() and len(complete_rows(metrics)) >= 2:
                 break
             assert all(p.poll() is None for p in procs), procs[0].communicate()[0][-3000:]
             time.sleep(0.5)
         else:
             pytest.fail("the run never reached step 2")
         run = metrics.parent
-        ranks = [json.loads(x) for x in (run / "ranks.jsonl").read_text().splitlines()]
+        ranks = complete_rows(run / "ranks.jsonl")
         dead = next(r for r in ranks if r["role"] == victim)
         others = [r["pid"] for r in ranks if r is not dead]
         os.kill(dead["pid"], signal.SIGKILL)
@@ -337,7 +337,7 @@ def test_a_port_held_by_another_job_or_program_is_a_one_line_error(tmp_path, cac
         while time.monotonic() < deadline:  # every rank of job A is set up (its store is up)
             runs = run_dirs(tmp_path / "a")
             ranks = runs[0] / "ranks.jsonl" if runs else None
-            if ranks and ranks.exists() and len(ranks.read_text().splitlines()) == 3:
+            if ranks and ranks.exists() and len(complete_rows(ranks)) == 3:
                 break
             assert all(p.poll() is None for p in job_a), job_a[0].communicate()[0][-3000:]
             time.sleep(0.5)

@@ -14,7 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-from conftest import ROOT, child_env
+from conftest import ROOT, child_env, complete_rows
 
 RECIPE = "recipes/tiny_grpo_cpu.yaml"
 # run.steps is an upper bound: each run is stopped (RUN_DIR/stop) once the replacement has
@@ -50,7 +50,7 @@ def _wait_for_rows(tmp_path: Path, procs, n: int) -> Path:
     while time.monotonic() < deadline:
         runs = [p for p in tmp_path.iterdir() if p.is_dir()]
         metrics = runs[0] / "metrics.jsonl" if runs else None
-        if metrics and metrics.exists() and len(metrics.read_text().splitlines()) >= n:
+        if metrics and metrics.exists() and len(complete_rows(metrics)) >= n:
             return metrics.parent
         if any(p.poll() is not None for p in procs):  # a rank ended before step n
             out = procs[0].stdout.read() if procs[0].stdout else "".join(
@@ -91,8 +91,7 @@ def _stop_a_replacement_by_hand(run: Path, cache_dir, tmp_path: Path) -> None:
 def back_for(run: Path, engines: int, steps: int, min_steps: int = 0) -> bool:
     """Whether metrics.jsonl shows an engine lost and the engines live back at `engines` for
     the last `steps` steps (and at least `min_steps` steps run)."""
-    live = [json.loads(x).get("engines_live")
-            for x in (run / "metrics.jsonl").read_text().splitlines()]
+    live = [row.get("engines_live") for row in complete_rows(run / "metrics.jsonl")]
     lost = [i for i, n in enumerate(live) if n is not None and n < engines]
     return bool(lost) and len(live) >= max(min_steps, lost[-1] + 1 + steps) and \
         live[-steps:] == [engines] * steps

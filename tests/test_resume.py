@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, child_env
+from conftest import ROOT, child_env, complete_rows
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
@@ -191,7 +191,7 @@ def test_a_restarted_job_resumes_by_itself(tmp_path, cache_dir, straight_run):
         else:
             pytest.fail("the run never started writing the step-6 checkpoint")
         run = partial.parent.parent
-        ranks = [json.loads(x) for x in (run / "ranks.jsonl").read_text().splitlines()]
+        ranks = complete_rows(run / "ranks.jsonl")
         os.kill(next(r["pid"] for r in ranks if r["role"] == "trainer 0"), signal.SIGKILL)
         assert not (partial / "meta.json").exists(), "killed after the commit point"
         proc.wait(timeout=600)

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, child_env, torchrun
+from conftest import ROOT, child_env, complete_rows, torchrun
 from test_async_e2e import SMALL, SOLO, metrics_of, two_host_launch
 from test_engine_loss import _wait_for_rows, back_for
 
@@ -70,7 +70,7 @@ def test_two_tp2_engines_one_lost_and_replaced(tmp_path, cache_dir):
                            stdout=log, stderr=subprocess.STDOUT)
     try:
         run = _wait_for_rows(tmp_path, [job], 3)
-        ranks = [json.loads(x) for x in (run / "ranks.jsonl").read_text().splitlines()]
+        ranks = complete_rows(run / "ranks.jsonl")
         (pid,) = [r["pid"] for r in ranks if r["rank"] == 5]  # engine 1, tp rank 1
         os.kill(pid, signal.SIGKILL)
         _wait_until_back(run, job, then=3)
