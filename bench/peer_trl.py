@@ -6,6 +6,8 @@ the same model, prompts, reward and hyper-parameters, one run after the other on
     python bench/peer_trl.py --workload gen        # the generation-heavy one only
     python bench/peer_trl.py --merge A.json B.json --out AB.json   # seeds of two runs as one
     python bench/peer_trl.py --workload trl_dtype  # TRL's tiny step, float32 against bf16
+    python bench/peer_trl.py --workload smollm2 --seeds 0 --out A.json   # the real model
+    python bench/peer_trl.py --workload smollm2 --merge A.json B.json --out AB.json
 
 Workload `tiny` (learning speed): the default recipe (recipes/tiny_grpo_cpu.yaml: the warm-started
 tiny Qwen2, string reversal, 64 prompts x 8 samples, lr 1e-3 with 2 warm-up steps, AdamW, grad clip
@@ -34,6 +36,18 @@ recipe, the recommended one and TRL, all in float32, or with --gen-dtype bfloat1
 bfloat16 mixed precision (llamarl's model.dtype over float32 master weights; TRL's bf16
 autocast over float32 weights).
 
+Workload `smollm2` (a real chat model): recipes/smollm2_add_cpu.yaml (SmolLM2-135M-Instruct,
+chat-templated 2-digit additions, the `numeric` verifier, 16 prompts x 8 samples of up to 32
+tokens, lr 5e-6, 1 trainer + 1 engine in bfloat16 over float32 masters) for --steps steps (default
+the recipe's 30), held-out reward (the recipe's 128 prompts x 2 samples at T = 1) every
+--eval-every steps (default 5), against TRL's GRPOTrainer on the same prompt ids (asserted),
+reward and settings in bf16 autocast (its faster precision here: fp32 took about twice as
+long). Per run: the median step and its split (llamarl: waiting for the engine / update; TRL:
+HF generate / the rest), training time to held-out 0.5 and 0.7, and the peak RSS summed over
+the run's processes (sampled every 0.5 s: llamarl's trainer rank, engine and launcher; TRL's
+one process). The seeds take about 40 minutes each on 2 cores (TRL's ~54 s steps), so they
+can be run one invocation each and joined with --merge.
+
 TRL is a bench dependency only (`make bench` installs it), never a runtime one. Results go to
 --out (JSON) and are printed as a table.
 """
@@ -55,12 +69,53 @@ from launch_logs import torchrun_logs_in_temp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 DEFAULT = "recipes/tiny_grpo_cpu.yaml"
-THRESHOLDS = (0.6, 0.7)
+SMOLLM2 = "recipes/smollm2_add_cpu.yaml"
+THRESHOLDS = {"tiny": (0.6, 0.7), "smollm2": (0.5, 0.7)}
+
+
+class PeakRSS:
+    """The peak, over samples every `period` s, of the resident memory summed over a process
+    and its descendants (MiB): a multi-process run's footprint, which no single process's
+    ru_maxrss gives."""
+
+    def __init__(self, pid: int | None = None, period: float = 0.5):
+        import threading
+
+        import psutil
+
+        self._root = psutil.Process(pid)
+        self.peak_mib, self._period = 0.0, period
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        import psutil
+
+        while not self._done.is_set():
+            total = 0
+            try:
+                for p in [self._root, *self._root.children(recursive=True)]:
+                    try:
+                        total += p.memory_info().rss
+                    except psutil.Error:  # (a child that ended meanwhile)
+                        pass
+            except psutil.Error:  # the root ended
+                return
+            self.peak_mib = max(self.peak_mib, total / 2**20)
+            self._done.wait(self._period)
+
+    def stop(self) -> float:
+        self._done.set()
+        self._thread.join()
+        return self.peak_mib
 
 
 # ---------------------------------------------------------------------------------- llamarl
-def run_llamarl(recipe: str, out: Path, overrides: list[str], env: dict) -> Path:
-    """One run through the real launcher; returns its run directory."""
+def run_llamarl(recipe: str, out: Path, overrides: list[str], env: dict,
+                rss: dict | None = None) -> Path:
+    """One run through the real launcher; returns its run directory. rss: gets "peak_rss_mib",
+    the peak over the run of every process's RSS summed (PeakRSS)."""
     from llamarl.config import load_config
 
     cfg = load_config(ROOT / recipe, overrides)
@@ -69,12 +124,18 @@ def run_llamarl(recipe: str, out: Path, overrides: list[str], env: dict) -> Path
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
            "-m", "llamarl.launch", recipe, f"run.output_dir={out}", *overrides]
     with open(out / "launch.log", "w") as log:
-        subprocess.run(cmd, cwd=ROOT, check=True, stdout=log, stderr=log, env=env)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=log, env=env)
+        peak = PeakRSS(proc.pid)
+        if proc.wait():
+            raise subprocess.CalledProcessError(proc.returncode, cmd)
+        if rss is not None:
+            rss["peak_rss_mib"] = peak.stop()
+        peak.stop()
     (run,) = [p for p in out.iterdir() if p.is_dir()]
     return run
 
 
-def llamarl_summary(run: Path) -> dict:
+def llamarl_summary(run: Path, thresholds=THRESHOLDS["tiny"]) -> dict:
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
     step_s = {r["step"]: r["step_time_s"] for r in rows}
@@ -85,16 +146,26 @@ def llamarl_summary(run: Path) -> dict:
     def train_time(upto: int, with_evals: bool) -> float:
         t = sum(v for k, v in step_s.items() if k <= upto)
         return t if with_evals else t - sum(v for k, v in eval_s.items() if 0 < k < upto)
-    return summary(curve, train_time, list(step_s.values()),
+    later = rows[1:] or rows  # (step 1 also pays the first compilations and allocations)
+    return summary(curve, train_time, list(step_s.values()), thresholds,
                    gen_tok_s=statistics.median(r["tokens_generated"] / r["generate_s"]
-                                               for r in rows if r.get("generate_s")))
+                                               for r in rows if r.get("generate_s")),
+                   median_wait_s=statistics.median(r["wait_s"] for r in later),
+                   median_update_s=statistics.median(r["train_s"] for r in later),
+                   trainer_peak_rss_mib=max(r["peak_rss_mib"] for r in rows),
+                   greedy_curve=[(e["step"], e.get("reward_mean_greedy")) for e in evals])
 
 
 # -------------------------------------------------------------------------------------- TRL
 def run_trl(model_dir: str, seed: int, steps: int, eval_every: int, prompts: int, samples: int,
             max_new_tokens: int, lr: float, warmup: int, out: Path, data_cfg=None,
-            bf16: bool = False) -> dict:
-    """TRL's GRPOTrainer in this process (HF generate), evaluated like llamarl's Evaluator.
+            bf16: bool = False, reward_fn=None, eval_samples: int = 4,
+            thresholds=THRESHOLDS["tiny"]) -> dict:
+    """TRL's GRPOTrainer in this process (HF generate), evaluated like llamarl's Evaluator
+    (eval_samples per held-out prompt at T = 1). The prompts are the text llamarl's
+    PromptFormatter makes of data_cfg's rows (chat template and system prompt included), and
+    TRL's tokenisation of it must give llamarl's prompt ids exactly. reward_fn(completion,
+    answer, prompt) -> float (default: the tiny task's reversal reward).
     bf16: TRL's mixed precision (float32 weights and AdamW, the forwards under bfloat16
     autocast: generation's too), as llamarl's model.dtype=bfloat16 over float32 masters."""
     import torch
@@ -109,18 +180,21 @@ def run_trl(model_dir: str, seed: int, steps: int, eval_every: int, prompts: int
 
     torch.set_num_threads(os.cpu_count() or 1)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    data = load_prompt_data(data_cfg or DataConfig(), seed)
-    fmt = PromptFormatter(tok)
-    bos = tok.bos_token
-    train = Dataset.from_list([{"prompt": bos + ex.prompt, "answer": ex.answer}
+    data_cfg = data_cfg or DataConfig()
+    data = load_prompt_data(data_cfg, seed)
+    fmt = PromptFormatter(tok, data_cfg.chat_template, data_cfg.system_prompt)
+    # llamarl's text (BOS + characters without a chat template); TRL tokenises it, with the
+    # tokenizer's own special tokens, and must give exactly llamarl's prompt ids
+    bos = "" if data_cfg.chat_template else tok.bos_token
+    train = Dataset.from_list([{"prompt": bos + fmt.text(ex.prompt), "answer": ex.answer}
                                for ex in data.train])
-    # TRL tokenises the text; it must give exactly llamarl's prompt ids (BOS + characters)
-    ex = data.train[0]
-    assert tok(bos + ex.prompt)["input_ids"] == fmt.encode([ex])[0].token_ids
+    for ex in data.train[:8]:
+        assert tok(bos + fmt.text(ex.prompt))["input_ids"] == fmt.encode([ex])[0].token_ids
     held = data.held_out
+    score = reward_fn or (lambda completion, answer, prompt: reverse_reward(completion, answer))
 
-    def reward(completions, answer, **_):
-        return [reverse_reward(c, a) for c, a in zip(completions, answer)]
+    def reward(completions, answer, prompts, **_):
+        return [score(c, a, p) for c, a, p in zip(completions, answer, prompts)]
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     gen_time = [0.0, 0]  # seconds in model.generate, tokens generated
@@ -180,11 +254,14 @@ def run_trl(model_dir: str, seed: int, steps: int, eval_every: int, prompts: int
             mask = (torch.arange(width)[None] >= width - torch.tensor(
                 [len(p.token_ids) for p in ids])[:, None]).long()
             torch.manual_seed(7919 + step)
-            out = generate(input_ids=inp, attention_mask=mask, do_sample=True, temperature=1.0,
-                           top_p=1.0, top_k=0, max_new_tokens=max_new_tokens,
-                           num_return_sequences=4, pad_token_id=tok.pad_token_id)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                out = generate(input_ids=inp, attention_mask=mask, do_sample=True,
+                               temperature=1.0, top_p=1.0, top_k=0,
+                               max_new_tokens=max_new_tokens, num_return_sequences=eval_samples,
+                               pad_token_id=tok.pad_token_id)
             texts = tok.batch_decode(out[:, width:], skip_special_tokens=True)
-            r = [reverse_reward(t, held[i // 4].answer) for i, t in enumerate(texts)]
+            r = [score(t, held[i // eval_samples].answer, held[i // eval_samples].prompt)
+                 for i, t in enumerate(texts)]
             self.curve.append((step, sum(r) / len(r)))
             self.eval_s[step] = time.perf_counter() - t0
             model.train(was)
@@ -192,25 +269,32 @@ def run_trl(model_dir: str, seed: int, steps: int, eval_every: int, prompts: int
     clock = Clock()
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=train,
                           processing_class=tok, callbacks=[clock])
+    rss = PeakRSS()
     trainer.train()
+    peak_rss_mib = rss.stop()
 
     def train_time(upto: int, with_evals: bool) -> float:
         t = sum(clock.step_s[:upto])
         return t + sum(v for k, v in clock.eval_s.items() if 0 < k < upto) if with_evals else t
     gens = [b[0] - a[0] for a, b in zip([(0.0, 0)] + clock.gen, clock.gen)]
     toks = [b[1] - a[1] for a, b in zip([(0.0, 0)] + clock.gen, clock.gen)]
-    return summary(clock.curve, train_time, clock.step_s,
-                   gen_tok_s=statistics.median(t / g for t, g in zip(toks, gens) if g))
+    later = slice(1, None) if len(gens) > 1 else slice(None)
+    return summary(clock.curve, train_time, clock.step_s, thresholds,
+                   gen_tok_s=statistics.median(t / g for t, g in zip(toks, gens) if g),
+                   median_generate_s=statistics.median(gens[later]),
+                   median_rest_s=statistics.median(
+                       s - g for s, g in zip(clock.step_s[later], gens[later])),
+                   peak_rss_mib=peak_rss_mib)
 
 
 # ---------------------------------------------------------------------------------- shared
-def summary(curve, train_time, step_s, **extra) -> dict:
+def summary(curve, train_time, step_s, thresholds, **extra) -> dict:
     """Steps and training time to each threshold (first eval at or above it), the curve."""
     out = {"median_step_s": statistics.median(step_s[1:] or step_s), "steps": len(step_s),
            "curve": curve, "final": curve[-1][1], **extra,
            # training time (evaluations excluded) up to each evaluation: for the mean curve
            "train_time_at": [[s, round(train_time(s, False), 2)] for s, _ in curve]}
-    for th in THRESHOLDS:
+    for th in thresholds:
         hit = next((s for s, r in curve if r >= th), None)
         out[f"steps_to_{th}"] = hit
         out[f"time_to_{th}"] = None if hit is None else round(train_time(hit, False), 2)
@@ -287,15 +371,16 @@ def trl_dtype_workload(args) -> dict:
     return out
 
 
-def median_table(results: dict[str, list]) -> dict:
+def median_table(results: dict[str, list], thresholds=THRESHOLDS["tiny"]) -> dict:
     """Per run name: the medians over seeds of every figure (a key older results lack is
     left out of its median) and the seeds' mean curve."""
     return {name: {**{k: med([r.get(k) for r in runs]) for k in runs[0]
-                      if k not in ("curve", "train_time_at")}, **mean_curve(runs)}
+                      if k not in ("curve", "train_time_at", "greedy_curve")},
+                   **mean_curve(runs, thresholds)}
             for name, runs in results.items() if runs}
 
 
-def mean_curve(runs: list[dict]) -> dict:
+def mean_curve(runs: list[dict], thresholds=THRESHOLDS["tiny"]) -> dict:
     """The seeds' held-out rewards averaged at each evaluation: the first evaluation where
     that mean reaches each threshold, and the median over seeds of the training time up to
     it. A less noisy reading than the per-seed crossings (one evaluation apart, 10-40 steps
@@ -303,7 +388,7 @@ def mean_curve(runs: list[dict]) -> dict:
     steps = [s for s, _ in runs[0]["curve"]]
     mean = [statistics.mean(dict(r["curve"])[s] for r in runs) for s in steps]
     out = {"mean_curve": [[s, round(m, 4)] for s, m in zip(steps, mean)]}
-    for th in THRESHOLDS:
+    for th in thresholds:
         hit = next((s for s, m in zip(steps, mean) if m >= th), None)
         out[f"mean_curve_steps_to_{th}"] = hit
         out[f"mean_curve_time_to_{th}"] = None if hit is None else med(
@@ -312,15 +397,54 @@ def mean_curve(runs: list[dict]) -> dict:
     return out
 
 
-def merge(paths: list[str]) -> dict:
-    """The tiny workload of several invocations (other seeds) as one: runs concatenated,
-    medians and the mean curve recomputed. Runs written before `train_time_at` existed
-    count the time to a mean-curve crossing as steps x their median step."""
+def merge(paths: list[str], workload: str = "tiny") -> dict:
+    """A workload (tiny or smollm2) of several invocations (other seeds) as one: runs
+    concatenated, medians and the mean curve recomputed. Runs written before `train_time_at`
+    existed count the time to a mean-curve crossing as steps x their median step."""
     results: dict[str, list] = {}
     for p in paths:
-        for name, runs in json.loads(Path(p).read_text())["tiny"]["runs"].items():
+        for name, runs in json.loads(Path(p).read_text())[workload]["runs"].items():
             results.setdefault(name, []).extend(runs)
-    return {"runs": results, "median": median_table(results), "merged": paths}
+    return {"runs": results, "median": median_table(results, THRESHOLDS[workload]),
+            "merged": paths}
+
+
+def smollm2_workload(args, env) -> dict:
+    """recipes/smollm2_add_cpu.yaml against TRL on the same prompts, reward and settings (TRL
+    in bf16 autocast), one after the other per seed."""
+    from llamarl.config import load_config
+    from llamarl.models.smollm2 import ensure_smollm2
+    from llamarl.rewards.verifiers import numeric
+
+    steps = args.steps or None
+    common = [f"run.eval_every={args.eval_every}"] + ([f"run.steps={steps}"] if steps else [])
+    cfg = load_config(ROOT / SMOLLM2, common)
+    g, th = cfg.generator, THRESHOLDS["smollm2"]
+    model = str(ensure_smollm2(cfg.model.path.split(":", 1)[1]))
+    results = {"llamarl": [], "trl": []}
+    for seed in args.seeds:
+        with tempfile.TemporaryDirectory() as tmp:
+            t0, rss = time.time(), {}
+            run = run_llamarl(SMOLLM2, Path(tmp) / "llamarl", [*common, f"run.seed={seed}"], env,
+                              rss)
+            results["llamarl"].append({**llamarl_summary(run, th), **rss, "seed": seed})
+            print(f"seed {seed} llamarl: {time.time() - t0:.0f} s wall, "
+                  f"{brief(results['llamarl'])}", flush=True)
+            t0 = time.time()
+            trl = run_trl(model, seed, cfg.run.steps, cfg.run.eval_every, g.prompts_per_step,
+                          g.samples_per_prompt, g.max_new_tokens, cfg.trainer.lr,
+                          cfg.trainer.warmup_steps, Path(tmp) / "trl", cfg.data, bf16=True,
+                          reward_fn=numeric, eval_samples=cfg.data.eval_samples_per_prompt,
+                          thresholds=th)
+            results["trl"].append({**trl, "seed": seed})
+            print(f"seed {seed} trl: {time.time() - t0:.0f} s wall, {brief(results['trl'])}",
+                  flush=True)
+    return {"runs": results, "median": median_table(results, th), "recipe": SMOLLM2}
+
+
+def brief(runs: list[dict]) -> str:
+    """The last run's figures without its curves, for the progress lines."""
+    return json.dumps({k: v for k, v in runs[-1].items() if "curve" not in k})
 
 
 def build_gen_model(path: Path) -> str:
@@ -375,15 +499,48 @@ def gen_workload(args, env) -> dict:
             "batch": f"{prompts} prompts x {samples} samples, up to {new} new tokens"}
 
 
+def print_table(workload: str, t: dict) -> None:
+    """The medians over seeds as a markdown table, and llamarl's times over TRL's."""
+    lo, hi = THRESHOLDS[workload]
+    print(f"\n| run | median step s | steps to {lo} | train s to {lo} (with evals) | steps to {hi} "
+          f"| train s to {hi} | final | gen tok/s | peak RSS MiB |\n" + "|---" * 9 + "|")
+    for name, r in t.items():
+        print(f"| {name} | {fmt(r['median_step_s'], 3)} | {fmt(r[f'steps_to_{lo}'])} | "
+              f"{fmt(r[f'time_to_{lo}'], 1)} ({fmt(r[f'time_to_{lo}_with_evals'], 1)}) | "
+              f"{fmt(r[f'steps_to_{hi}'])} | {fmt(r[f'time_to_{hi}'], 1)} | "
+              f"{fmt(r['final'], 3)} | {fmt(r['gen_tok_s'], 0)} | "
+              f"{fmt(r.get('peak_rss_mib'), 0)} |")
+    if "trl" not in t:
+        return
+    for name in ("llamarl", "recommended"):
+        if name not in t:
+            continue
+        ratio = t[name]["median_step_s"] / t["trl"]["median_step_s"]
+        print(f"{name} / TRL median step: {ratio:.2f}x")
+        for th in (lo, hi):
+            a, b = t[name].get(f"time_to_{th}"), t["trl"][f"time_to_{th}"]
+            if a and b:
+                print(f"{name} / TRL training time to {th}: {a / b:.2f}x")
+            a = t[name].get(f"mean_curve_time_to_{th}")
+            b = t["trl"][f"mean_curve_time_to_{th}"]
+            if a and b:
+                print(f"{name} / TRL training time to {th}, seeds' mean curve "
+                      f"(steps {t[name][f'mean_curve_steps_to_{th}']} / "
+                      f"{t['trl'][f'mean_curve_steps_to_{th}']}): {a / b:.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--workload", choices=("tiny", "gen", "both", "trl_dtype"),
+    ap.add_argument("--workload", choices=("tiny", "gen", "both", "trl_dtype", "smollm2"),
                     default="both")
     ap.add_argument("--trl-dtype-steps", type=int, default=25)
     ap.add_argument("--trl-dtype-repeats", type=int, default=3)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=None,
+                    help="steps per run (default: 150 for tiny, the recipe's for smollm2)")
+    ap.add_argument("--eval-every", type=int, default=None,
+                    help="steps between held-out evaluations (default: 10 for tiny, 5 for "
+                         "smollm2)")
     ap.add_argument("--gen-steps", type=int, default=3)
     ap.add_argument("--gen-dtype", choices=("float32", "bfloat16"), default="float32",
                     help="the gen workload's compute precision, for both trainers (bfloat16: "
@@ -392,47 +549,43 @@ def main() -> None:
                     help="another llamarl recipe to run beside the default: the one "
                          "recommended on a small CPU machine (\"\" for none)")
     ap.add_argument("--out", default=None, help="the results' JSON (default "
-                    "bench/results/peer_trl.json; peer_trl_dtype.json for trl_dtype)")
-    ap.add_argument("--merge", nargs="+", metavar="RESULTS", help="no runs: the tiny workload "
-                    "of these result files (other seeds) as one table, written to --out")
+                    "bench/results/peer_trl.json; peer_trl_dtype.json for trl_dtype, "
+                    "peer_trl_smollm2.json for smollm2)")
+    ap.add_argument("--merge", nargs="+", metavar="RESULTS", help="no runs: the tiny (or with "
+                    "--workload smollm2, smollm2) workload of these result files (other seeds) "
+                    "as one table, written to --out")
     args = ap.parse_args()
+    smollm2 = args.workload == "smollm2"
+    if args.steps is None and not smollm2:
+        args.steps = 150
+    if args.eval_every is None:
+        args.eval_every = 5 if smollm2 else 10
     if args.out is None:
-        name = "peer_trl_dtype" if args.workload == "trl_dtype" else "peer_trl"
+        name = {"trl_dtype": "peer_trl_dtype", "smollm2": "peer_trl_smollm2"}.get(
+            args.workload, "peer_trl")
         args.out = str(ROOT / f"bench/results/{name}.json")
     if args.merge:  # the seeds of the merged runs, not this command line's default
         args.seeds = [seed for p in args.merge
                       for seed in json.loads(Path(p).read_text())["args"]["seeds"]]
+    args.out = str(Path(args.out).resolve())
+    args.merge = [str(Path(p).resolve()) for p in args.merge or []]
+    os.chdir(ROOT)  # (the recipes name their data relative to the repository root)
     torchrun_logs_in_temp()  # (bench/launch_logs.py: in `env` below)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     result = {"machine": f"{os.cpu_count()} cores", "args": vars(args)}
     if args.workload == "trl_dtype":
         result["trl_dtype"] = trl_dtype_workload(args)
-    if args.merge:
+    if smollm2:
+        result["smollm2"] = (merge(args.merge, "smollm2") if args.merge
+                             else smollm2_workload(args, env))
+        print_table("smollm2", result["smollm2"]["median"])
+    elif args.merge:
         result["tiny"] = merge(args.merge)
         args.workload = "tiny"
     elif args.workload in ("tiny", "both"):
         result["tiny"] = tiny_workload(args, env)
     if args.workload in ("tiny", "both"):
-        t = result["tiny"]["median"]
-        print("\n| run | median step s | steps to 0.6 | train s to 0.6 (with evals) | steps to 0.7 "
-              "| train s to 0.7 | final | gen tok/s |\n|---|---|---|---|---|---|---|---|")
-        for name, r in t.items():
-            print(f"| {name} | {fmt(r['median_step_s'], 3)} | {fmt(r['steps_to_0.6'])} | "
-                  f"{fmt(r['time_to_0.6'], 1)} ({fmt(r['time_to_0.6_with_evals'], 1)}) | "
-                  f"{fmt(r['steps_to_0.7'])} | {fmt(r['time_to_0.7'], 1)} | "
-                  f"{fmt(r['final'], 3)} | {fmt(r['gen_tok_s'], 0)} |")
-        if "trl" in t:
-            for name in ("llamarl", "recommended"):
-                for th in THRESHOLDS:
-                    a, b = t.get(name, {}).get(f"time_to_{th}"), t["trl"][f"time_to_{th}"]
-                    if a and b:
-                        print(f"{name} / TRL training time to {th}: {a / b:.2f}x")
-                    a = t.get(name, {}).get(f"mean_curve_time_to_{th}")
-                    b = t["trl"][f"mean_curve_time_to_{th}"]
-                    if a and b:
-                        print(f"{name} / TRL training time to {th}, seeds' mean curve "
-                              f"(steps {t[name][f'mean_curve_steps_to_{th}']} / "
-                              f"{t['trl'][f'mean_curve_steps_to_{th}']}): {a / b:.2f}x")
+        print_table("tiny", result["tiny"]["median"])
     if args.workload in ("gen", "both"):
         result["gen"] = gen_workload(args, env)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
