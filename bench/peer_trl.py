@@ -442,6 +442,40 @@ def smollm2_workload(args, env) -> dict:
     return {"runs": results, "median": median_table(results, th), "recipe": SMOLLM2}
 
 
+def plot_smollm2(result: dict, path: Path) -> bool:
+    """Held-out reward against training time (evaluations excluded), llamarl and TRL: each
+    seed a thin line, the seeds' mean curve (at the median time to each evaluation) thick.
+    False without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=120)
+    for (name, runs), color in zip(result["runs"].items(), ("tab:blue", "tab:orange")):
+        for r in runs:
+            at = dict(r["train_time_at"])
+            ax.plot([at[s] / 60 for s, _ in r["curve"]], [v for _, v in r["curve"]],
+                    color=color, alpha=0.3, lw=1)
+        steps = [s for s, _ in result["median"][name]["mean_curve"]]
+        times = [statistics.median(dict(r["train_time_at"])[s] for r in runs) / 60
+                 for s in steps]
+        ax.plot(times, [m for _, m in result["median"][name]["mean_curve"]], color=color, lw=2.5,
+                marker="o", ms=3, label=f"{'TRL GRPOTrainer' if name == 'trl' else name} "
+                f"({len(runs)} seed{'s' if len(runs) > 1 else ''})")
+    ax.set_xlabel("training time, minutes (2 CPU cores; evaluations excluded)")
+    ax.set_ylabel("held-out reward (T = 1)")
+    ax.set_title("SmolLM2-135M-Instruct, 2-digit additions (recipes/smollm2_add_cpu.yaml)",
+                 fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
 def brief(runs: list[dict]) -> str:
     """The last run's figures without its curves, for the progress lines."""
     return json.dumps({k: v for k, v in runs[-1].items() if "curve" not in k})
@@ -579,6 +613,9 @@ def main() -> None:
         result["smollm2"] = (merge(args.merge, "smollm2") if args.merge
                              else smollm2_workload(args, env))
         print_table("smollm2", result["smollm2"]["median"])
+        png = Path(args.out).with_suffix(".png")
+        if plot_smollm2(result["smollm2"], png):
+            print(f"learning curves: {png}")
     elif args.merge:
         result["tiny"] = merge(args.merge)
         args.workload = "tiny"
