@@ -17,6 +17,7 @@ from llamarl.config import load_config
 from llamarl.launch.cores import release_cores_promptly
 from llamarl.launch.dist_env import from_environ
 from llamarl.launch.layout import compute_layout
+from llamarl.launch.onednn import cap_primitive_cache
 from llamarl.launch.watchdog import say
 
 SILENT_RANK_GRACE_S = 3.0
@@ -113,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     recipe, overrides = argv[0], argv[1:]
     env, incarnation, tp_ranks = None, "", []
     release_cores_promptly()  # before torch is imported: the OpenMP runtime reads it once
+    cap_primitive_cache()  # before the first bfloat16 matmul: oneDNN reads it once
     try:
         if joining:
             from llamarl.launch.join import plan_join, spawn_tp_ranks

@@ -69,6 +69,11 @@ from llamarl.trainer.weight_members import EngineMembers, FileMembers
 
 TRAINER_BACKEND = {"cuda": "cpu:gloo,cuda:nccl", "cpu": "gloo"}
 
+def resident_mib() -> float:
+    """This process's resident memory now (VmRSS), MiB."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
 
 def init_trainer_group(rt: Runtime):
     """The trainer sub-mesh: a role-local default group (trainer ranks only) and its mesh."""
@@ -337,6 +342,7 @@ def run_trainer(rt: Runtime) -> None:
             # (Linux's ru_maxrss is in KiB)
             "sync_mib": sender.bytes_per_sync / 2**20,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "rss_mib": resident_mib(),  # now: a leak shows as growth from step to step
         }
         now = time.perf_counter()
         period = now - t_row
