@@ -15,7 +15,8 @@ Measured on that recipe, 10 steps each, the 2-core machine alone (docs/measured.
   * capacity 8 (with glibc's free memory trimmed after each step, to see what stays): the
     peak flat at 4.5 GiB from step 2 on, the update as fast (12.6-17 s a step, against 14-16);
   * capacity 64, the one set here: the peak 3.8 GiB at step 1, 4.8 GiB from step 5 to 10, the
-    update as fast (12.5-16.8 s);
+    update as fast (12.5-16.8 s); over 30 steps 5.2 GiB at step 30 (against 8.5), the resident
+    memory level from step 19 on;
   * glibc's mmap threshold fixed at 256 KiB instead (every large tensor returned at once): the
     peak flat too, but the update 40% slower and the engine 50% (page faults).
 64 holds more than the distinct matmul shapes of one micro-batch's forward and backward (the
