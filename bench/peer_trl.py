@@ -45,8 +45,8 @@ reward and settings in bf16 autocast (its faster precision here: fp32 took about
 long). Per run: the median step and its split (llamarl: waiting for the engine / update; TRL:
 HF generate / the rest), training time to held-out 0.5 and 0.7, and the peak RSS summed over
 the run's processes (sampled every 0.5 s: llamarl's trainer rank, engine and launcher; TRL's
-one process). The seeds take about 40 minutes each on 2 cores (TRL's ~54 s steps), so they
-can be run one invocation each and joined with --merge.
+one process). A seed takes about 65 minutes on 2 cores (TRL's 30 steps of ~87 s: 49 of
+them), so seeds can be run one invocation each and joined with --merge.
 
 TRL is a bench dependency only (`make bench` installs it), never a runtime one. Results go to
 --out (JSON) and are printed as a table.
@@ -126,11 +126,11 @@ def run_llamarl(recipe: str, out: Path, overrides: list[str], env: dict,
     with open(out / "launch.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=log, env=env)
         peak = PeakRSS(proc.pid)
-        if proc.wait():
-            raise subprocess.CalledProcessError(proc.returncode, cmd)
-        if rss is not None:
-            rss["peak_rss_mib"] = peak.stop()
-        peak.stop()
+        returncode, peak_mib = proc.wait(), peak.stop()
+    if returncode:
+        raise subprocess.CalledProcessError(returncode, cmd)
+    if rss is not None:
+        rss["peak_rss_mib"] = peak_mib
     (run,) = [p for p in out.iterdir() if p.is_dir()]
     return run
 

@@ -69,6 +69,7 @@ from llamarl.trainer.weight_members import EngineMembers, FileMembers
 
 TRAINER_BACKEND = {"cuda": "cpu:gloo,cuda:nccl", "cpu": "gloo"}
 
+
 def resident_mib() -> float:
     """This process's resident memory now (VmRSS), MiB."""
     with open("/proc/self/statm") as f:
