@@ -64,6 +64,10 @@ class LoraConfig:
     # adapters = A and B alone (r (in + out) per linear): the engines load the base model from
     # model.path and run vLLM's LoRA kernels with the adapter, refreshed in memory each sync
     sync: str = "merged"
+    # PEFT's modules_to_save: RMSNorm layers (by last name component) trained whole beside the
+    # adapters, the originals kept for the reference. [norm] trains the final norm's weight,
+    # which bounds the logits when the (tied) embeddings are frozen (docs/trainer.md: LoRA)
+    modules_to_save: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -596,6 +600,9 @@ def validate(cfg: Config) -> Config:
 
 # The linear layers of the decoder blocks that may take adapters (Llama / Qwen2 / Mistral).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The modules that model.lora.modules_to_save may train whole: the RMSNorm layers (a weight
+# of hidden size each), which the merged syncs send like any weight
+LORA_MODULES_TO_SAVE = ("norm", "input_layernorm", "post_attention_layernorm")
 # The ranks a vLLM 0.32 engine can be built for (`max_lora_rank`: vllm/config/lora.py,
 # MaxLoRARanks); an adapter of rank r runs in an engine of the smallest one >= r
 # (generator/lora_adapter.py checks this list against the installed vLLM's).
@@ -638,6 +645,14 @@ def _validate_lora(cfg: Config) -> None:
         _fail("model.lora.sync", lora.sync, "must be merged (the engines get W + (alpha / "
               "rank) B A as full weights) or adapters (the engines get A and B and run "
               "vLLM's LoRA kernels)")
+    for name in lora.modules_to_save:
+        if name not in LORA_MODULES_TO_SAVE:
+            _fail("model.lora.modules_to_save", name, f"only the RMSNorm layers are trained "
+                  f"whole beside the adapters: use some of {', '.join(LORA_MODULES_TO_SAVE)}")
+    if lora.sync == "adapters" and lora.modules_to_save:
+        _fail("model.lora.modules_to_save", lora.modules_to_save, "vLLM's LoRA layers take "
+              "A and B only, not trained norm weights: set model.lora.sync=merged, or "
+              "model.lora.modules_to_save=[]")
     if lora.sync == "adapters" and lora.rank > VLLM_LORA_RANKS[-1]:
         _fail("model.lora.rank", lora.rank, f"vLLM runs adapters of rank <= "
               f"{VLLM_LORA_RANKS[-1]}: lower it, or set model.lora.sync=merged")

@@ -12,13 +12,15 @@ from conftest import DIST, torchrun
 
 from llamarl.config import LORA_TARGETS, load_config
 from llamarl.tiny.model import build_model
-from llamarl.trainer.lora import add_adapters, merged_state_dict
+from llamarl.trainer.lora import add_adapters, is_trainable, is_trained_copy, merged_state_dict
 from llamarl.trainer.policy import pad_rollouts, token_logprobs
 
 # as tests/dist/lora_policy_step.py
 STEP_CFG = ["trainer.micro_batch_size=3", "trainer.lr=1e-2", "trainer.ranks=2",
             "trainer.share_prompts=false", "model.lora.rank=4", "model.lora.alpha=8",
             "algorithm.kl_coef=0.1"]
+NORM = "model.lora.modules_to_save=[norm]"
+NORM_COPY = "model.norm.modules_to_save.default.weight"  # the final norm's trained copy
 
 
 @pytest.mark.parametrize("override, key", [
@@ -29,6 +31,9 @@ STEP_CFG = ["trainer.micro_batch_size=3", "trainer.lr=1e-2", "trainer.ranks=2",
     ("model.lora.target_modules=[]", "model.lora.target_modules"),
     ("model.lora.sync=deltas", "model.lora.sync"),
     ("model.lora.sync=adapters model.lora.rank=1024", "model.lora.rank"),
+    ("model.lora.modules_to_save=[lm_head]", "model.lora.modules_to_save"),
+    ("model.lora.sync=adapters model.lora.modules_to_save=[norm]",
+     "model.lora.modules_to_save"),
     ("algorithm.name=ppo", "model.lora.rank"),
 ])
 def test_bad_lora_keys_are_one_line_errors(override, key):
@@ -102,18 +107,22 @@ def test_lora_is_off_by_default_and_ignored_when_off():
     assert cfg.model.lora.rank == 0
 
 
-def test_merged_weights_compute_what_the_adapted_model_computes():
+@pytest.mark.parametrize("extra", ["", NORM], ids=["adapters", "adapters+norm"])
+def test_merged_weights_compute_what_the_adapted_model_computes(extra):
     """The base model loaded with lora.merged_state_dict gives the adapted model's logprobs
-    (W x + s B A x against (W + s B A) x: float rounding), in one process without FSDP2."""
+    (W x + s B A x against (W + s B A) x: float rounding), in one process without FSDP2;
+    with the final norm trained beside the adapters, under the base name."""
     from test_buffer import make_batch
 
-    cfg = load_config(None, ["model.lora.rank=4"])
+    cfg = load_config(None, ["model.lora.rank=4", *extra.split()])
     model, tok = build_model(seed=0)
     add_adapters(model, cfg.model.lora, seed=0)
     with torch.no_grad():  # B = 0 at the start: make the adapters do something
         for name, p in model.named_parameters():
             if ".lora_B." in name:
                 p.normal_(0, 0.05)
+            if is_trained_copy(name):  # (and the norm's copy, when trained)
+                p.mul_(1.5)
     merged = merged_state_dict(model)
     base, _ = build_model(seed=1)
     assert base.load_state_dict(merged, strict=True)
@@ -126,13 +135,15 @@ def test_merged_weights_compute_what_the_adapted_model_computes():
     assert (lp - lp_plain).abs().max() > 1e-3, "the adapters must change the model"
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory, tiny_model_dir):
+@pytest.fixture(scope="module", params=["", NORM], ids=["adapters", "adapters+norm"])
+def two_ranks(request, tmp_path_factory, tiny_model_dir):
+    """tests/dist/lora_policy_step.py's results, with the adapters alone and with the final
+    norm trained beside them (model.lora.modules_to_save)."""
     out = tmp_path_factory.mktemp("lora") / "out.pt"
     proc = torchrun(2, [str(DIST / "lora_policy_step.py")], timeout=300, OUT=out,
-                    MODEL_DIR=tiny_model_dir)
+                    MODEL_DIR=tiny_model_dir, EXTRA=request.param)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(out, weights_only=False)
+    return {**torch.load(out, weights_only=False), "extra": request.param}
 
 
 def test_only_the_adapters_learn(two_ranks):
@@ -143,6 +154,11 @@ def test_only_the_adapters_learn(two_ranks):
         assert torch.equal(r["base_after"][name], before), name  # the base, bit for bit
     b = [v for k, v in r["adapters_after"].items() if ".lora_B." in k]
     assert max(t.abs().max().item() for t in b) > 1e-3, "B starts at 0 and must move"
+    if r["extra"]:  # the final norm: its copy trained, the original (the reference's) kept
+        assert NORM_COPY in r["grads"]
+        original = r["base_after"]["model.norm.original_module.weight"]
+        assert torch.equal(r["base_before"]["model.norm.original_module.weight"], original)
+        assert (r["adapters_after"][NORM_COPY] - original).abs().max() > 1e-4
 
 
 def test_reference_is_the_base_model_exactly(two_ranks):
@@ -156,10 +172,12 @@ def test_weight_sync_sends_merged_weights_under_the_base_names(two_ranks):
     r = two_ranks
     sent, merged, base = r["merged_local"], r["merged_full"], r["base_after"]
     tied = {"lm_head.weight"}  # the tiny model ties it to the embeddings: sent once
-    assert set(sent) == {k.replace(".base_layer.", ".") for k in base} - tied
-    assert not any("lora_" in k or "base_layer" in k for k in sent)
+    assert set(sent) == set(build_model(seed=0)[0].state_dict()) - tied  # the base's names
+    assert set(merged) == set(sent) | tied
     for name, t in sent.items():
         assert torch.allclose(t, merged[name], atol=1e-6), name
+    if r["extra"]:  # the trained norm under the base name, not the reference's original
+        assert torch.equal(sent["model.norm.weight"], r["adapters_after"][NORM_COPY])
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(sent[q], base["model.layers.0.self_attn.q_proj.base_layer.weight"])
     assert r["bytes_per_sync"] == r["bytes_per_sync_base"], "the base model's layout"
@@ -207,7 +225,12 @@ def test_export_writes_a_peft_adapter_and_the_merged_model(two_ranks, tmp_path):
     assert greedy[0] == greedy[1]
     saved = {k.replace(".lora_A.weight", ".lora_A.default.weight")
              .replace(".lora_B.weight", ".lora_B.default.weight"): v
-             for k, v in adapted.state_dict().items() if ".lora_" in k}
+             for k, v in adapted.state_dict().items() if ".lora_" in k or is_trained_copy(k)}
+    assert len(saved) == len(two_ranks["adapters_1"])
+    if two_ranks["extra"]:  # PEFT's directory names the norm as one of its modules_to_save
+        config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+        assert config["modules_to_save"] == ["model.norm"]  # (PEFT matches by suffix)
+        assert torch.equal(merged.model.norm.weight, two_ranks["adapters_1"][NORM_COPY])
     for name, t in two_ranks["adapters_1"].items():
         assert torch.equal(saved["base_model.model." + name], t), name
 
@@ -234,6 +257,8 @@ def test_a_frozen_base_kept_in_the_compute_dtype_takes_the_same_update(two_ranks
             w = two_ranks["base_before"][name.replace(".weight", ".base_layer.weight")]
             assert got.dtype == torch.float32, name
             assert torch.allclose(got - t, w.to(torch.bfloat16).float() - w, atol=1e-6), name
+        elif name == "model.norm.weight" and two_ranks["extra"]:  # trained: kept in float32
+            assert torch.equal(got, t), name
         else:  # a frozen tensor as stored
             assert torch.equal(got, t.to(torch.bfloat16)), name
 
@@ -248,7 +273,7 @@ def test_two_ranks_take_the_update_of_one_process(two_ranks):
     from llamarl.trainer.rl_step import policy_step
     from llamarl.trainer.step import PolicyTrainer
 
-    cfg = load_config(None, STEP_CFG)
+    cfg = load_config(None, STEP_CFG + two_ranks["extra"].split())
     model, tok = build_model(seed=0)
     add_adapters(model, cfg.model.lora, seed=cfg.run.seed)
     trainer = PolicyTrainer(model, cfg.trainer, 2, 1, torch.device("cpu"))
@@ -257,9 +282,11 @@ def test_two_ranks_take_the_update_of_one_process(two_ranks):
                         reference=reference)
     assert stats["loss"] == pytest.approx(two_ranks["stats"]["loss"], abs=1e-5)
     assert stats["grad_norm"] == pytest.approx(two_ranks["stats"]["grad_norm"], rel=1e-4)
-    for name, t in model.state_dict().items():
-        if ".lora_" in name:
-            assert torch.allclose(t, two_ranks["adapters_1"][name], atol=2e-5), name
+    trained = [name for name in model.state_dict() if is_trainable(name)]
+    assert sorted(trained) == sorted(two_ranks["adapters_1"])
+    for name in trained:
+        assert torch.allclose(model.state_dict()[name], two_ranks["adapters_1"][name],
+                              atol=2e-5), name
 
 
 def test_engine_adapter_fails_in_one_line_on_what_it_cannot_load():

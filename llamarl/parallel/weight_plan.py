@@ -135,12 +135,13 @@ def model_tensors(model: torch.nn.Module, buffers: set[str] | None = None,
     same shape and rows as W). With `adapters` (model.lora.sync adapters) the adapters
     alone, A [r, in] and B [out, r] of each adapted linear, by their names in PEFT's saved
     form (lora.adapter_name), which vLLM's LoRA loader reads: the engines hold the base
-    weights from the checkpoint."""
-    from llamarl.trainer.lora import adapter_name, engine_name, is_adapter
+    weights from the checkpoint. A module_to_save (model.lora.modules_to_save) goes by the
+    base name with its trained copy's value, its frozen original left out."""
+    from llamarl.trainer.lora import adapter_name, engine_name, is_adapter, sent_in_full
 
     if adapters:
         return {adapter_name(n): p for n, p in model.named_parameters() if is_adapter(n)}
-    out = {engine_name(n): p for n, p in model.named_parameters() if not is_adapter(n)}
+    out = {engine_name(n): p for n, p in model.named_parameters() if sent_in_full(n)}
     if buffers is None:
         buffers = persistent_buffer_names(model)
     for name, buf in model.named_buffers():

@@ -31,7 +31,14 @@ from llamarl.parallel.weight_plan import (
     slice_plan,
     solo_bytes_of,
 )
-from llamarl.trainer.lora import adapter_name, engine_name, is_adapter, merged_layers, merged_shard
+from llamarl.trainer.lora import (
+    adapter_name,
+    engine_name,
+    is_adapter,
+    merged_layers,
+    merged_shard,
+    sent_in_full,
+)
 
 
 class WeightSender:
@@ -94,7 +101,7 @@ class WeightSender:
         if adapters:
             origin = {adapter_name(n): n for n, _ in model.named_parameters() if is_adapter(n)}
         else:
-            origin = {engine_name(n): n for n, _ in model.named_parameters()}
+            origin = {engine_name(n): n for n, _ in model.named_parameters() if sent_in_full(n)}
             origin.update((engine_name(n), n) for n, _ in model.named_buffers())
         self._sources = [(name, merged[name], None, "merged") if name in merged else
                          (name, *_owner(model, origin[name]), _kind(t))

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from llamarl.errors import first_line
-from llamarl.trainer.lora import has_adapters, is_adapter
+from llamarl.trainer.lora import has_adapters, is_trainable
 
 PARTIAL = ".partial"
 TEST_PAUSE_ENV = "LLAMARL_TEST_CHECKPOINT_PAUSE_S"
@@ -110,7 +110,8 @@ def save(run_dir: Path, step: int, model, optimizer, scheduler, meta: dict, keep
 
 
 def _options(model) -> StateDictOptions:
-    """A LoRA policy's checkpoint holds its adapters and their optimizer state, not the frozen
+    """A LoRA policy's checkpoint holds its adapters (and modules_to_save's trained copies) and
+    their optimizer state, not the frozen
     base weights (they are reloaded from model.path): its state dict leaves out frozen
     parameters, and loading it leaves them as they are (strict=False; dcp.load still fails
     on an adapter the checkpoint lacks)."""
@@ -121,7 +122,7 @@ def _options(model) -> StateDictOptions:
 def _state(model, optimizer, critic) -> dict:
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
     if has_adapters(model):  # (a tied lm_head.weight is kept by ignore_frozen_params)
-        model_sd = {k: v for k, v in model_sd.items() if is_adapter(k)}
+        model_sd = {k: v for k, v in model_sd.items() if is_trainable(k)}
     state = {"model": model_sd, "optim": optim_sd}
     if critic is not None:
         state["critic"], state["critic_optim"] = get_state_dict(critic.model, critic.opt)

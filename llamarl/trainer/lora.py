@@ -24,6 +24,15 @@ trainer rank k computes its rows of W' from what it holds and A whole (r x in, s
     W'[rows_k] = W[rows_k] + s * B[rows_k] @ A          (`merged_shard`)
 
 so the weight sync keeps the layout of the base weights: same metas, same buckets, same bytes.
+
+`model.lora.modules_to_save` (PEFT's key: RMSNorm layers only) trains whole copies of some
+small modules beside the adapters, as PEFT's ModulesToSaveWrapper does: `model.norm` becomes
+`model.norm.original_module` (frozen; what the reference runs) and
+`model.norm.modules_to_save.default` (trained, in the optimizer, checkpointed; what the
+policy runs and what the engines get under the base name, `model.norm.weight`). Why: with the
+tied embeddings E frozen, the logits E (g * h / rms(h)) are bounded by the final norm's
+weight g, and on the tiny model no hidden state the adapters can produce gives a token more
+than 0.80-0.88 of the probability (docs/trainer.md: LoRA).
 """
 
 from __future__ import annotations
@@ -33,6 +42,8 @@ from contextlib import contextmanager
 import torch
 
 ADAPTER = "default"  # PEFT's adapter name
+TRAINED_COPY = f".modules_to_save.{ADAPTER}."  # a module_to_save's trained copy
+FROZEN_ORIGINAL = ".original_module."  # ... and the original beside it (the reference's)
 
 
 def add_adapters(model: torch.nn.Module, lora, seed: int) -> torch.nn.Module:
@@ -48,13 +59,42 @@ def add_adapters(model: torch.nn.Module, lora, seed: int) -> torch.nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    _wrap_modules_to_save(model, getattr(lora, "modules_to_save", ()))
     for name, p in model.named_parameters():
-        p.requires_grad_(is_adapter(name))
+        p.requires_grad_(is_trainable(name))
     for layer in lora_layers(model):
         if not isinstance(layer.base_layer, torch.nn.Linear):
             raise ValueError(f"model.lora.target_modules: {type(layer.base_layer).__name__} "
                              "layers are not supported: target the decoder's linear layers")
     return model
+
+
+def modules_to_save_paths(model: torch.nn.Module, names) -> list[str]:
+    """The paths of the modules whose last name component is in `names` (`norm` ->
+    `model.norm`, not `...input_layernorm`). PEFT matches modules_to_save by plain suffix
+    (`input_layernorm` ends with `norm`), so its config gets these full paths."""
+    paths = []
+    for wanted in names:
+        found = [n for n, _ in model.named_modules() if n.split(".")[-1] == wanted]
+        if not found:
+            raise ValueError(f"model.lora.modules_to_save: the model has no module named "
+                             f"{wanted!r}: use the name of one of its RMSNorm layers "
+                             f"(norm, input_layernorm, post_attention_layernorm)")
+        paths += found
+    return paths
+
+
+def _wrap_modules_to_save(model: torch.nn.Module, names) -> None:
+    """Replace every module named in `names` (modules_to_save_paths) by PEFT's
+    ModulesToSaveWrapper (the original, frozen, and a trained copy of it), as PeftModel does
+    for `modules_to_save`, so that the names are PEFT's and its save_pretrained / from_pretrained
+    read them."""
+    from peft.utils import ModulesToSaveWrapper
+
+    for path in modules_to_save_paths(model, names):
+        parent_name, _, child = path.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, ModulesToSaveWrapper(model.get_submodule(path), ADAPTER))
 
 
 def store_frozen_in(model: torch.nn.Module, dtype: torch.dtype) -> int:
@@ -73,13 +113,15 @@ def store_frozen_in(model: torch.nn.Module, dtype: torch.dtype) -> int:
     return saved
 
 
-def peft_config(lora, base_model_path: str = ""):
-    """PEFT's LoraConfig for a config.LoraConfig (or its dict in a checkpoint's meta.json)."""
+def peft_config(lora, base_model_path: str = "", modules_to_save: list[str] = ()):
+    """PEFT's LoraConfig for a config.LoraConfig (or its dict in a checkpoint's meta.json);
+    `modules_to_save`: the full paths of its modules_to_save (modules_to_save_paths)."""
     from peft import LoraConfig as PeftLoraConfig
 
     get = lora.get if isinstance(lora, dict) else lambda k: getattr(lora, k)
     return PeftLoraConfig(r=get("rank"), lora_alpha=get("alpha"), lora_dropout=get("dropout"),
                           target_modules=list(get("target_modules")), bias="none",
+                          modules_to_save=list(modules_to_save) or None,
                           base_model_name_or_path=base_model_path or None)
 
 
@@ -99,9 +141,34 @@ def is_adapter(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
 
+def is_trained_copy(name: str) -> bool:
+    """Whether `name` is in a module_to_save's trained copy (model.lora.modules_to_save)."""
+    return TRAINED_COPY in name
+
+
+def is_frozen_original(name: str) -> bool:
+    """Whether `name` is in the frozen original of a module_to_save: the reference's, never
+    sent (the engines get the trained copy under the base name) nor checkpointed."""
+    return FROZEN_ORIGINAL in name
+
+
+def is_trainable(name: str) -> bool:
+    """Whether parameter `name` of a LoRA policy is trained (and checkpointed): an adapter
+    matrix or a module_to_save's copy."""
+    return is_adapter(name) or is_trained_copy(name)
+
+
 def engine_name(name: str) -> str:
-    """The base model's name of a tensor of the adapted model: `.base_layer` dropped."""
-    return name.replace(".base_layer.", ".")
+    """The base model's name of a tensor of the adapted model: `.base_layer` dropped, and a
+    module_to_save's trained copy under the original's name (`model.norm.weight`)."""
+    return name.replace(".base_layer.", ".").replace(TRAINED_COPY, ".")
+
+
+def sent_in_full(name: str) -> bool:
+    """Whether tensor `name` of a policy goes to the engines as a full weight (merged syncs,
+    export): everything but the adapter matrices (merged into their base weights) and the
+    frozen originals of modules_to_save (their trained copies go instead)."""
+    return not is_adapter(name) and not is_frozen_original(name)
 
 
 @contextmanager
@@ -113,7 +180,11 @@ def adapters_off(model: torch.nn.Module):
     gathered parameters after forward (the last one) has its unsharded ones registered.
     Seen with it: after a reference forward, a checkpoint left out the last block's adapters
     as frozen (tests/test_lora.py runs the reference before the update, then resumes)."""
-    layers = lora_layers(model)
+    from peft.utils import ModulesToSaveWrapper
+
+    # LoRA layers compute W x alone; a module_to_save's wrapper runs its original
+    layers = lora_layers(model) + [m for m in model.modules()
+                                   if isinstance(m, ModulesToSaveWrapper)]
     for layer in layers:
         layer._disable_adapters = True
     try:
@@ -168,13 +239,14 @@ def merged_shard(layer: torch.nn.Module) -> torch.Tensor:
 
 def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The full weights of the adapted model as the base model's state dict: W' = W + s B A
-    for every adapted linear, the adapters left out, names without `.base_layer` (a
-    collective: gathers every tensor on every trainer rank)."""
+    for every adapted linear, the adapters left out, names without `.base_layer`, and each
+    module_to_save's trained copy under the base name (a collective: gathers every tensor on
+    every trainer rank)."""
     layers = {f"{n}.base_layer.weight": layer for n, layer in
               ((n[: -len(".weight")], layer) for n, layer in merged_layers(model).items())}
     out = {}
     for name, t in model.state_dict().items():
-        if is_adapter(name):
+        if not sent_in_full(name):
             continue
         full = _full(t).detach()
         layer = layers.get(name)
@@ -216,9 +288,12 @@ def export_lora(lora: dict, base_path: str, adapters: dict[str, torch.Tensor]):
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    peft_model = get_peft_model(base, peft_config(lora, base_path), adapter_name=ADAPTER)
-    own = {name for name in peft_model.state_dict() if is_adapter(name)}
-    given = {"base_model.model." + name: t for name, t in adapters.items() if is_adapter(name)}
+    # (modules_to_save is absent from the meta of checkpoints written before it existed)
+    saved = modules_to_save_paths(base, lora.get("modules_to_save", ()))
+    peft_model = get_peft_model(base, peft_config(lora, base_path, saved), adapter_name=ADAPTER)
+    own = {name for name in peft_model.state_dict() if is_trainable(name)}
+    given = {"base_model.model." + name: t for name, t in adapters.items()
+             if is_trainable(name)}
     if set(given) != own:
         raise ValueError(f"the checkpoint's adapters do not fit {base_path} with model.lora "
                          f"{lora}: {len(given)} adapter tensors for {len(own)}")

@@ -3,6 +3,8 @@ trainer ranks takes two GRPO updates with a KL term to its reference (the same m
 its adapters off), checkpointing between them; rank 0 saves what tests/test_lora.py checks
 to $OUT:
 
+  (EXTRA: recipe overrides, e.g. model.lora.modules_to_save=[norm]; "adapters" below are
+  every trained tensor: A and B, and the modules_to_save's trained copies)
   grads / opt_state   the parameters that got a gradient, and optimizer state
   base_before/after   the frozen base weights (full) before and after the updates
   ref_logp, base_logp the reference's logprobs of a batch (adapters off, after the updates)
@@ -40,7 +42,7 @@ from llamarl.trainer import checkpoint  # noqa: E402
 from llamarl.trainer.loop import load_reference  # noqa: E402
 from llamarl.trainer.lora import (  # noqa: E402
     add_adapters,
-    is_adapter,
+    is_trainable,
     merged_state_dict,
     store_frozen_in,
 )
@@ -69,7 +71,7 @@ if __name__ == "__main__":
     rank, world, mesh, device = trainer_world()
     cfg = load_config(None, CFG + os.environ.get("EXTRA", "").split())
     model, tok = lora_policy(cfg, mesh)
-    base_before = {k: v for k, v in full(model.state_dict()).items() if not is_adapter(k)}
+    base_before = {k: v for k, v in full(model.state_dict()).items() if not is_trainable(k)}
     trainer = PolicyTrainer(model, cfg.trainer, 2, world, device)
     reference = load_reference(cfg, "", mesh, device, policy=model)
     batches = [split_groups(make_batch(4, 4, seed=s), world)[rank] for s in (5, 6)]
@@ -79,17 +81,17 @@ if __name__ == "__main__":
     checkpoint.save(run, 1, model, trainer.opt, trainer.sched, keep=2, meta={
         "policy_version": 1, "model_path": os.environ["MODEL_DIR"], "dtype": "float32",
         "lora": dataclasses.asdict(cfg.model.lora)})
-    adapters_1 = {k: v for k, v in full(model.state_dict()).items() if is_adapter(k)}
+    adapters_1 = {k: v for k, v in full(model.state_dict()).items() if is_trainable(k)}
     policy_step(trainer, batches[1], cfg, tok.pad_token_id, reference=reference)
     out = {"stats": stats,
            "grads": sorted(n for n, p in model.named_parameters() if p.grad is not None),
            "opt_state": len(trainer.opt.state),
            "opt_params": sum(len(g["params"]) for g in trainer.opt.param_groups),
-           "adapters": sorted(n for n, _ in model.named_parameters() if is_adapter(n)),
+           "adapters": sorted(n for n, _ in model.named_parameters() if is_trainable(n)),
            "base_before": base_before}
     state = full(model.state_dict())
-    out["base_after"] = {k: v for k, v in state.items() if not is_adapter(k)}
-    out["adapters_after"] = {k: v for k, v in state.items() if is_adapter(k)}
+    out["base_after"] = {k: v for k, v in state.items() if not is_trainable(k)}
+    out["adapters_after"] = {k: v for k, v in state.items() if is_trainable(k)}
 
     # the reference (adapters off) against the base model itself, sharded alike
     base, _ = build_model(seed=0)
@@ -122,7 +124,7 @@ if __name__ == "__main__":
     ref2 = load_reference(cfg, "", mesh, device, policy=model2)
     checkpoint.load(checkpoint.latest(run), model2, trainer2.opt, trainer2.sched)
     policy_step(trainer2, batches[1], cfg, tok.pad_token_id, reference=ref2)
-    out["resumed"] = {k: v for k, v in full(model2.state_dict()).items() if is_adapter(k)}
+    out["resumed"] = {k: v for k, v in full(model2.state_dict()).items() if is_trainable(k)}
     out["adapters_1"] = adapters_1
     out["checkpoint"] = str(checkpoint.latest(run))
     out["checkpoint_files"] = sorted(p.name for p in checkpoint.latest(run).iterdir())
@@ -142,7 +144,7 @@ if __name__ == "__main__":
         twins.append({"stats": s, "saved": saved, "frozen": frozen,
                       "dtypes": sorted({str(p.dtype) for p in m.parameters()}),
                       "adapters": {k: v for k, v in full(m.state_dict()).items()
-                                   if is_adapter(k)},
+                                   if is_trainable(k)},
                       "merged": {k: v.cpu() for k, v in merged_state_dict(m).items()}})
     out["bf16_twins"] = twins
     if rank == 0:
