@@ -62,11 +62,12 @@ CONFIGS = {  # name -> overrides (lr filled in per workload)
     "r8": ["model.lora.rank=8", "model.lora.alpha=32", "model.lora.sync=merged"],
     "r1": ["model.lora.rank=1", "model.lora.alpha=32", "model.lora.sync=merged"],
     # the probes (not learning runs): adapter-only syncs through vLLM's LoRA layers, with a
-    # short held-out evaluation before and after (they read no reward)
+    # short held-out evaluation before and after (they read no reward); A and B alone, so no
+    # modules_to_save (the tiny recipe trains its final norm)
     "r8-adapters": ["model.lora.rank=8", "model.lora.alpha=32", "model.lora.sync=adapters",
-                    "data.eval_prompts=16"],
+                    "model.lora.modules_to_save=[]", "data.eval_prompts=16"],
     "r1-adapters": ["model.lora.rank=1", "model.lora.alpha=32", "model.lora.sync=adapters",
-                    "data.eval_prompts=16"],
+                    "model.lora.modules_to_save=[]", "data.eval_prompts=16"],
 }
 LEARNING = ("full", "r8", "r1")
 
