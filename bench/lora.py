@@ -126,6 +126,10 @@ def summarize(runs: list[dict]) -> dict:
                 "final_reward_gap": med[c]["final_reward_median"] - full["final_reward_median"],
                 "within_noise": abs(med[c]["final_reward_median"]
                                     - full["final_reward_median"]) <= noise,
+                # above full fine-tuning by more than the noise is not "within noise", but
+                # it is no loss: this says whether the adapters lose
+                "not_below": med[c]["final_reward_median"]
+                >= full["final_reward_median"] - noise,
                 "peak_rss_ratio": med[c]["peak_rss_mib"] / full["peak_rss_mib"],
                 # adapter-only syncs (the probe) against full fine-tuning's
                 "sync_bytes_ratio": probe and probe["sync_mib"] / full["sync_mib"],
