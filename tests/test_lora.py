@@ -235,6 +235,35 @@ def test_export_writes_a_peft_adapter_and_the_merged_model(two_ranks, tmp_path):
         assert torch.equal(saved["base_model.model." + name], t), name
 
 
+def test_export_greedy_agrees_in_transformers_and_vllm(two_ranks, tmp_path):
+    """The exported LoRA policy in vLLM generates what it generates in transformers (greedy,
+    llamarl.models.check): with the adapters alone, the PEFT adapter directory on the base
+    (PeftModel against vLLM's LoRA layers with a LoRARequest naming it); with the final norm
+    trained too, which vLLM's LoRA loader does not take, the merged directory."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, child_env
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llamarl.export import export
+    from llamarl.models.check import LOGPROB_TOL, PLAIN_PROMPTS, greedy_hf
+
+    out = export(two_ranks["checkpoint"], tmp_path / "export")
+    base = json.loads((Path(two_ranks["checkpoint"]) / "meta.json").read_text())["model_path"]
+    # the check can fail: the exported policy's greedy logprobs are not the base model's
+    tok = AutoTokenizer.from_pretrained(base)
+    ids = [tok.bos_token_id] + tok.encode(PLAIN_PROMPTS[0], add_special_tokens=False)
+    lps = [greedy_hf(AutoModelForCausalLM.from_pretrained(m, dtype=torch.float32), ids, 8)[2]
+           for m in (base, out)]
+    assert max(abs(a - b) for a, b in zip(*lps)) > 10 * LOGPROB_TOL, lps
+    args = [str(out)] if two_ranks["extra"] else [base, "--adapter", str(out / "adapter")]
+    check = subprocess.run([sys.executable, "-m", "llamarl.models.check", *args], cwd=ROOT,
+                           env=child_env(), capture_output=True, text=True, timeout=600)
+    assert check.returncode == 0, check.stdout[-2000:] + check.stderr[-3000:]
+    assert "greedy generation agrees" in check.stdout
+
+
 def test_a_frozen_base_kept_in_the_compute_dtype_takes_the_same_update(two_ranks):
     """With bfloat16 compute, a base stored in bfloat16 (lora.store_frozen_in, what the
     trainer does) gives the update a float32 base gives bit for bit: FSDP2 casts every
