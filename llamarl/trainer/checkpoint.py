@@ -111,10 +111,9 @@ def save(run_dir: Path, step: int, model, optimizer, scheduler, meta: dict, keep
 
 def _options(model) -> StateDictOptions:
     """A LoRA policy's checkpoint holds its adapters (and modules_to_save's trained copies) and
-    their optimizer state, not the frozen
-    base weights (they are reloaded from model.path): its state dict leaves out frozen
-    parameters, and loading it leaves them as they are (strict=False; dcp.load still fails
-    on an adapter the checkpoint lacks)."""
+    their optimizer state, not the frozen base weights (they are reloaded from model.path): its
+    state dict leaves out frozen parameters, and loading it leaves them as they are
+    (strict=False; dcp.load still fails on an adapter the checkpoint lacks)."""
     lora = has_adapters(model)
     return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
 
