@@ -5,6 +5,7 @@ trainer peak RSS, step time and bytes per weight sync, for each of --seeds.
                          [--eval-every N] [--configs full r8 r1] [--out FILE]
     python bench/lora.py --summarize FILE       # recompute the summary of a results file
     python bench/lora.py --merge A.json B.json --out C.json   # the runs of several files
+    python bench/lora.py --probes-only --configs r8 r1 --out F  # the adapters-mode probes alone
     python bench/lora.py --seeds 0 --steps 3 --eval-every 0 --probe-steps 0 \
         --set trainer.micro_batch_size=8 --out F   # memory and step time (evaluated before
                                                    # and after only)
@@ -157,6 +158,9 @@ def main() -> int:
                          "trainer.micro_batch_size=8)")
     ap.add_argument("--out", help="default: bench/results/lora_<workload>.json")
     ap.add_argument("--summarize", metavar="JSON", help="recompute a results file's summary")
+    ap.add_argument("--probes-only", action="store_true",
+                    help="the adapters-mode probes of --configs alone (no learning runs), for "
+                         "--merge with learning runs made apart")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="join the runs of these results files (seeds run apart) into --out")
     args = ap.parse_args()
@@ -185,7 +189,10 @@ def main() -> int:
     out = Path(args.out or ROOT / "bench" / "results" / f"lora_{args.workload}.json")
     torchrun_logs_in_temp()
     runs = []
-    todo = [(config, seed, steps, eval_every) for seed in args.seeds for config in args.configs]
+    todo = [] if args.probes_only else [(config, seed, steps, eval_every)
+                                        for seed in args.seeds for config in args.configs]
+    if args.probes_only and not args.probe_steps:
+        raise SystemExit("--probes-only with --probe-steps 0: nothing to run")
     if args.probe_steps:
         todo += [(f"{c}-adapters", args.seeds[0], args.probe_steps, 0)
                  for c in args.configs if c != "full"]

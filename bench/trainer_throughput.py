@@ -59,7 +59,7 @@ SIZES = {
 def build_model_dir(kind: str) -> str:
     """A randomly initialised HF directory: the tiny model, the 24M Qwen2 of the KV-preemption
     issue (hidden 512, 8 layers, 2 KV heads, the tiny character tokenizer), or Qwen2.5-0.5B's
-    architecture."""
+    architecture; or SmolLM2-135M-Instruct itself (`smollm2`, the real model's recipes)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from llamarl.tiny.model import build_model, build_tokenizer, save_hf_dir
@@ -67,6 +67,9 @@ def build_model_dir(kind: str) -> str:
     path = Path(tempfile.gettempdir()) / f"llamarl-bench-trainer-{kind}"
     if (path / "config.json").exists():
         return str(path)
+    if kind == "smollm2":  # the real checkpoint (fetched and converted once, then cached)
+        from llamarl.models.smollm2 import ensure_smollm2
+        return str(ensure_smollm2("135m-instruct"))
     if kind == "tiny":
         model, tok = build_model(0)
     else:
@@ -98,6 +101,8 @@ def synthetic_batch(args, vocab: int, rank: int):
                  for _ in range(8)]
         clens = [length(4, args.completion_len, True) for _ in range(n)]
     prompts = [torch.randint(3, vocab, (p,), generator=g).tolist() for p in plens]
+    if args.mixed:  # a group's samples answer one prompt (what trainer.share_prompts reads)
+        prompts = [prompts[i - i % 8] for i in range(n)]
     comps = [torch.randint(3, vocab, (c,), generator=g).tolist() for c in clens]
     lps = [(-torch.rand(c, generator=g)).tolist() for c in clens]
     rewards = torch.rand(n, generator=g).tolist()
@@ -200,7 +205,7 @@ def set_torch_config(item: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", choices=["tiny", "24m", "32k", "0.5b"], default="tiny")
+    p.add_argument("--model", choices=["tiny", "24m", "32k", "0.5b", "smollm2"], default="tiny")
     p.add_argument("--seqs", type=int, default=64, help="sequences per update, all ranks")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--completion-len", type=int, default=16)
@@ -237,8 +242,9 @@ def main() -> None:
     p.add_argument("--torch-config", action="append", default=[], metavar="MODULE.NAME=VALUE",
                    help="set a torch config value before anything compiles, e.g. "
                         "torch._inductor.config.cpp_wrapper=True (repeatable)")
-    p.add_argument("--variant", choices=["both_algorithms", "padded", "packed"],
-                   default="both_algorithms", help=argparse.SUPPRESS)
+    p.add_argument("--variant", choices=["both_algorithms", "padded", "packed", "grpo"],
+                   default="both_algorithms",
+                   help="grpo: the GRPO update alone, as the recipe's keys (and --set) say")
     args = p.parse_args()
     if args.compare:
         return compare(args)
@@ -280,7 +286,9 @@ def main() -> None:
         head.FORWARD_FOR_COMPILE, head.GRAD_FOR_COMPILE = head._chunk_forward, head._chunk_grad
 
     variant = ["trainer.share_prompts=false"]  # padded rows, as measured before the option
-    if args.variant == "padded":
+    if args.variant == "grpo":
+        variant = []
+    elif args.variant == "padded":
         # whole logits, one softmax: as before the chunking
         policy_mod.LOGPROB_CHUNK_MIB = policy_mod.LOGPROB_CHUNK_MIB_CUDA = 0
     elif args.variant == "packed":
