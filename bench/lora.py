@@ -12,11 +12,12 @@ trainer peak RSS, step time and bytes per weight sync, for each of --seeds.
 
 Workload smollm2 (the default): recipes/smollm2_add_cpu.yaml (SmolLM2-135M-Instruct, 2-digit
 additions, 1 trainer rank + 1 engine, bf16 over float32 masters, 16 x 8 samples), 12 steps,
-evaluations every 4; full fine-tuning at the recipe's lr 5e-6, the adapters at 2e-4 (40x: at
-10x, the rate "LoRA Without Regret" found, rank 8 learned at less than half full fine-tuning's
-pace here). Workload tiny: recipes/tiny_grpo_lora_cpu.yaml (the tiny Qwen2, 2 trainer
-ranks, cosine decay, KL 0.001), 100 steps, evaluations every 25; full fine-tuning at 1e-3, the
-adapters at the recipe's 5e-3. Configurations:
+evaluations every 4; each configuration at its best rate of those tried on seed 0: full
+fine-tuning at 2e-5 (4x the recipe's), rank 8 at 8e-4 and rank 1 at 4e-4 (docs/trainer.md:
+LoRA; earlier results used 5e-6 and 2e-4, their files say so in `settings`).
+Workload tiny: recipes/tiny_grpo_lora_cpu.yaml (the tiny Qwen2, 2 trainer ranks, cosine
+decay, KL 0.001), 100 steps, evaluations every 25; full fine-tuning at 1e-3, the adapters at
+the recipe's 5e-3. Configurations:
 
   full   full fine-tuning
   r8     rank-8 adapters on all seven linears of each block, alpha 32, merged syncs
@@ -48,15 +49,15 @@ from pathlib import Path
 from launch_logs import launch_recipe, torchrun_logs_in_temp
 
 ROOT = Path(__file__).resolve().parents[1]
-# workload -> (recipe, full fine-tuning's lr, the adapters' lr, steps, evaluation every)
+# workload -> (recipe, full fine-tuning's lr, the adapters' lr by rank, steps, evaluation every)
 WORKLOADS = {
-    # full fine-tuning at the recipe's rate, the adapters at 40x it: at 10x ("LoRA Without
-    # Regret") rank 8 reached 0.176 at step 12 against full fine-tuning's 0.414, at 40x 0.504
-    # (seed 0, docs/trainer.md)
-    "smollm2": ("recipes/smollm2_add_cpu.yaml", 5e-6, 2e-4, 12, 4),
+    # each at its best rate on seed 0 (docs/trainer.md: LoRA): full fine-tuning 5e-6 / 2e-5
+    # -> 0.406 / 0.676 at step 12; rank 8 2e-4 / 4e-4 / 8e-4 -> 0.504 / 0.547 / 0.570; rank 1
+    # 2e-4 / 4e-4 / 8e-4 -> 0.555 / 0.664 / 0.508 (8e-4 fell back after step 8)
+    "smollm2": ("recipes/smollm2_add_cpu.yaml", 2e-5, {"r8": 8e-4, "r1": 4e-4}, 12, 4),
     # the LoRA recipe's own rate and cosine decay (higher rates were unstable on this 128-wide
     # model: the recipe's header); full fine-tuning at the default recipe's rate
-    "tiny": ("recipes/tiny_grpo_lora_cpu.yaml", 1e-3, 5e-3, 100, 25),
+    "tiny": ("recipes/tiny_grpo_lora_cpu.yaml", 1e-3, {"r8": 5e-3, "r1": 5e-3}, 100, 25),
 }
 CONFIGS = {  # name -> overrides (lr filled in per workload)
     "full": ["model.lora.rank=0"],
@@ -76,7 +77,7 @@ LEARNING = ("full", "r8", "r1")
 def run(workload: str, config: str, seed: int, steps: int, eval_every: int,
         extra: list[str] = ()) -> dict:
     recipe, full_lr, lora_lr, _, _ = WORKLOADS[workload]
-    lr = full_lr if config == "full" else lora_lr
+    lr = full_lr if config == "full" else lora_lr[config.split("-")[0]]
     args = [f"run.steps={steps}", f"run.eval_every={eval_every}", f"run.seed={seed}",
             "run.checkpoint_every=0", *CONFIGS[config], f"trainer.lr={lr}", *extra]
     run_dir, metrics, evals = launch_recipe(recipe, args, f"llamarl-lora-{config}-s{seed}-")
@@ -151,7 +152,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, help="default: the workload's")
     ap.add_argument("--eval-every", type=int, help="default: the workload's")
     ap.add_argument("--configs", nargs="+", choices=LEARNING, default=list(LEARNING))
-    ap.add_argument("--probe-steps", type=int, default=3,
+    ap.add_argument("--probe-steps", type=int, default=2,
                     help="steps of each adapters-mode probe (0: none)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a recipe override for every run (for example "
