@@ -188,12 +188,12 @@ def main() -> int:
     steps = args.steps or steps
     eval_every = eval_every if args.eval_every is None else args.eval_every
     out = Path(args.out or ROOT / "bench" / "results" / f"lora_{args.workload}.json")
+    if args.probes_only and not args.probe_steps:
+        raise SystemExit("--probes-only with --probe-steps 0: nothing to run")
     torchrun_logs_in_temp()
     runs = []
     todo = [] if args.probes_only else [(config, seed, steps, eval_every)
                                         for seed in args.seeds for config in args.configs]
-    if args.probes_only and not args.probe_steps:
-        raise SystemExit("--probes-only with --probe-steps 0: nothing to run")
     if args.probe_steps:
         todo += [(f"{c}-adapters", args.seeds[0], args.probe_steps, 0)
                  for c in args.configs if c != "full"]

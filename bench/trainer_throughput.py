@@ -64,12 +64,12 @@ def build_model_dir(kind: str) -> str:
 
     from llamarl.tiny.model import build_model, build_tokenizer, save_hf_dir
 
-    path = Path(tempfile.gettempdir()) / f"llamarl-bench-trainer-{kind}"
-    if (path / "config.json").exists():
-        return str(path)
     if kind == "smollm2":  # the real checkpoint (fetched and converted once, then cached)
         from llamarl.models.smollm2 import ensure_smollm2
         return str(ensure_smollm2("135m-instruct"))
+    path = Path(tempfile.gettempdir()) / f"llamarl-bench-trainer-{kind}"
+    if (path / "config.json").exists():
+        return str(path)
     if kind == "tiny":
         model, tok = build_model(0)
     else:
