@@ -8,6 +8,8 @@ the same model, prompts, reward and hyper-parameters, one run after the other on
     python bench/peer_trl.py --workload trl_dtype  # TRL's tiny step, float32 against bf16
     python bench/peer_trl.py --workload smollm2 --seeds 0 --out A.json   # the real model
     python bench/peer_trl.py --workload smollm2 --merge A.json B.json --out AB.json
+    python bench/peer_trl.py --workload smollm2 --trainers llamarl --seeds 0 1 2 --out N.json
+    python bench/peer_trl.py --workload smollm2 --merge N.json A.json:trl B.json:trl --out NAB.json
 
 Workload `tiny` (learning speed): the default recipe (recipes/tiny_grpo_cpu.yaml: the warm-started
 tiny Qwen2, string reversal, 64 prompts x 8 samples, lr 1e-3 with 2 warm-up steps, AdamW, grad clip
@@ -403,8 +405,10 @@ def merge(paths: list[str], workload: str = "tiny") -> dict:
     existed count the time to a mean-curve crossing as steps x their median step."""
     results: dict[str, list] = {}
     for p in paths:
+        p, _, only = p.partition(":")  # FILE:NAME takes that trainer's runs only
         for name, runs in json.loads(Path(p).read_text())[workload]["runs"].items():
-            results.setdefault(name, []).extend(runs)
+            if only in ("", name):
+                results.setdefault(name, []).extend(runs)
     return {"runs": results, "median": median_table(results, THRESHOLDS[workload]),
             "merged": paths}
 
@@ -421,15 +425,18 @@ def smollm2_workload(args, env) -> dict:
     cfg = load_config(ROOT / SMOLLM2, common)
     g, th = cfg.generator, THRESHOLDS["smollm2"]
     model = str(ensure_smollm2(cfg.model.path.split(":", 1)[1]))
-    results = {"llamarl": [], "trl": []}
+    results = {name: [] for name in args.trainers}
     for seed in args.seeds:
         with tempfile.TemporaryDirectory() as tmp:
-            t0, rss = time.time(), {}
-            run = run_llamarl(SMOLLM2, Path(tmp) / "llamarl", [*common, f"run.seed={seed}"], env,
-                              rss)
-            results["llamarl"].append({**llamarl_summary(run, th), **rss, "seed": seed})
-            print(f"seed {seed} llamarl: {time.time() - t0:.0f} s wall, "
-                  f"{brief(results['llamarl'])}", flush=True)
+            if "llamarl" in results:
+                t0, rss = time.time(), {}
+                run = run_llamarl(SMOLLM2, Path(tmp) / "llamarl", [*common, f"run.seed={seed}"],
+                                  env, rss)
+                results["llamarl"].append({**llamarl_summary(run, th), **rss, "seed": seed})
+                print(f"seed {seed} llamarl: {time.time() - t0:.0f} s wall, "
+                      f"{brief(results['llamarl'])}", flush=True)
+            if "trl" not in results:
+                continue
             t0 = time.time()
             trl = run_trl(model, seed, cfg.run.steps, cfg.run.eval_every, g.prompts_per_step,
                           g.samples_per_prompt, g.max_new_tokens, cfg.trainer.lr,
@@ -587,7 +594,12 @@ def main() -> None:
                     "peer_trl_smollm2.json for smollm2)")
     ap.add_argument("--merge", nargs="+", metavar="RESULTS", help="no runs: the tiny (or with "
                     "--workload smollm2, smollm2) workload of these result files (other seeds) "
-                    "as one table, written to --out")
+                    "as one table, written to --out; FILE:NAME takes only trainer NAME's runs "
+                    "of FILE (llamarl rerun after a change, against stored TRL runs)")
+    ap.add_argument("--trainers", nargs="+", choices=("llamarl", "trl"),
+                    default=["llamarl", "trl"],
+                    help="smollm2: the trainers to run (llamarl alone after a change of "
+                         "llamarl's; TRL's runs do not change with it)")
     args = ap.parse_args()
     smollm2 = args.workload == "smollm2"
     if args.steps is None and not smollm2:
@@ -599,10 +611,11 @@ def main() -> None:
             args.workload, "peer_trl")
         args.out = str(ROOT / f"bench/results/{name}.json")
     if args.merge:  # the seeds of the merged runs, not this command line's default
-        args.seeds = [seed for p in args.merge
-                      for seed in json.loads(Path(p).read_text())["args"]["seeds"]]
+        args.seeds = sorted({seed for p in args.merge for seed in json.loads(
+            Path(p.partition(":")[0]).read_text())["args"]["seeds"]})
     args.out = str(Path(args.out).resolve())
-    args.merge = [str(Path(p).resolve()) for p in args.merge or []]
+    args.merge = [str(Path(p.partition(":")[0]).resolve()) + p.partition(":")[1]
+                  + p.partition(":")[2] for p in args.merge or []]
     os.chdir(ROOT)  # (the recipes name their data relative to the repository root)
     torchrun_logs_in_temp()  # (bench/launch_logs.py: in `env` below)
     env = dict(os.environ, PYTHONUNBUFFERED="1")

@@ -262,8 +262,10 @@ class GeneratorConfig:
     max_num_seqs: int = 0
     # Generation threads per engine rank on CPU; 0 = auto, as trainer.threads.
     threads: int = 0
-    # Tokens per KV-cache block; 0 = vLLM's default (16 on GPU, 128 on CPU). The prefix cache
-    # reuses whole blocks only (a prompt shorter than a block is never reused).
+    # Tokens per KV-cache block; 0 = auto: vLLM's 16 on GPU; on CPU 32 for max_model_len >= 128,
+    # else vLLM's 128 (generator/kv_cache.py default_block_size). The prefix cache reuses whole
+    # blocks only (a prompt shorter than a block is never shared by its group's samples). CPU
+    # blocks are multiples of 32 tokens.
     block_size: int = 0
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = True

@@ -18,7 +18,13 @@ from conftest import DIST, ROOT, child_env, rank_line, torchrun
 
 from llamarl.config import load_config
 from llamarl.generator.engine import sampler_seed
-from llamarl.generator.kv_cache import GIB, kv_bytes_per_token, plan_kv_cache
+from llamarl.generator.kv_cache import (
+    GIB,
+    check_block_size,
+    default_block_size,
+    kv_bytes_per_token,
+    plan_kv_cache,
+)
 from llamarl.launch.cores import SPIN_ENV, release_cores_promptly, threads_for
 from llamarl.launch.layout import compute_layout
 
@@ -78,6 +84,24 @@ def test_auto_kv_cache_holds_the_batch_within_the_host_bound():
     small = plan_kv_cache(8192, 512, 160, 128, 0.0, engines_on_host=2, available=2 * GIB)
     assert small.cache_bytes == GIB // 2 and small.fits == 256
     assert "holds 256 of them" in small.describe() and "kv_cache_gib=1" in small.describe()
+
+
+def test_auto_block_size_lets_a_group_share_its_prompt_on_cpu():
+    """generator.block_size = 0: CPU sequences of 128 tokens or more get 32-token blocks (the
+    prefix cache shares whole blocks only: a group's samples then share their prompt's first
+    blocks), the tiny recipes' 64-token sequences vLLM's 128, the GPU vLLM's 16."""
+    assert default_block_size(True, 128) == 32 and default_block_size(True, 320) == 32
+    assert default_block_size(True, 64) == 128
+    assert default_block_size(False, 128) == 16 and default_block_size(False, 64) == 16
+
+
+def test_cpu_block_size_not_a_multiple_of_32_is_a_one_line_error():
+    with pytest.raises(ValueError, match=r"generator.block_size=16: vLLM's CPU attention takes "
+                                         r"multiples of 32 tokens; set 32"):
+        check_block_size(16, on_cpu=True)
+    check_block_size(16, on_cpu=False)
+    check_block_size(0, on_cpu=True)
+    check_block_size(64, on_cpu=True)
 
 
 def test_kv_cache_too_small_for_one_sequence_is_a_one_line_error():

@@ -33,10 +33,11 @@ from llamarl.generator.cpu_fixes import (
     unique_cpu_shm_names,
 )
 from llamarl.generator.kv_cache import (
-    DEFAULT_BLOCK,
     GIB,
     KVPlan,
+    check_block_size,
     check_model_context,
+    default_block_size,
     kv_bytes_per_token,
     plan_kv_cache,
     sequence_bytes,
@@ -291,7 +292,8 @@ class Engine:
 
         sequences = sequences or cfg.prompts_per_step // cfg.engines * cfg.samples_per_prompt
         check_model_context(model_path, cfg.max_model_len)
-        self.block_size = cfg.block_size or DEFAULT_BLOCK["cpu" if on_cpu else "gpu"]
+        check_block_size(cfg.block_size, on_cpu)
+        self.block_size = cfg.block_size or default_block_size(on_cpu, cfg.max_model_len)
         self.bytes_per_token = kv_bytes_per_token(model_path, dtype, cfg.tp)
         self.sequences = sequences
         self.kv: KVPlan | None = None
@@ -313,8 +315,8 @@ class Engine:
         self.prefix_caching = cfg.max_model_len >= self.block_size
         if cfg.tp > 1:
             extra["distributed_executor_backend"] = "external_launcher"
-        if cfg.block_size:
-            extra["block_size"] = cfg.block_size
+        if cfg.block_size or on_cpu:  # (GPU, auto: vLLM picks it per attention backend)
+            extra["block_size"] = self.block_size
         if lora_rank:
             extra.update(engine_lora_args(lora_rank))
         # the LoRARequest every request carries: None until an adapter is loaded (adapter
