@@ -614,8 +614,9 @@ def main() -> None:
         args.seeds = sorted({seed for p in args.merge for seed in json.loads(
             Path(p.partition(":")[0]).read_text())["args"]["seeds"]})
     args.out = str(Path(args.out).resolve())
-    args.merge = [str(Path(p.partition(":")[0]).resolve()) + p.partition(":")[1]
-                  + p.partition(":")[2] for p in args.merge or []]
+    # absolute paths (the cwd changes below), each FILE:NAME suffix kept
+    args.merge = [str(Path(path).resolve()) + sep + name
+                  for path, sep, name in (p.partition(":") for p in args.merge or [])]
     os.chdir(ROOT)  # (the recipes name their data relative to the repository root)
     torchrun_logs_in_temp()  # (bench/launch_logs.py: in `env` below)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
