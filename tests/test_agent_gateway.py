@@ -256,15 +256,15 @@ def test_an_openai_agents_sdk_agent_trains_through_the_gateway(live):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", [[], ["generator.mode=continuous", "sync.max_staleness=1"]],
-                         ids=["batch", "continuous"])
-def test_agent_recipe_trains_through_the_launcher(tmp_path, cache_dir, mode):
-    """recipes/tiny_agent_cpu.yaml as a user launches it (3 ranks), in batch and continuous
-    generation: agent episodes reach the trainer with the agent metrics, and the run ends
-    without a traceback (calls of episodes stopped with the run are answered, not cancelled).
-    (Learning itself is measured in docs/agents.md.)"""
+def test_agent_recipe_trains_through_the_launcher(tmp_path, cache_dir):
+    """recipes/tiny_agent_cpu.yaml as a user launches it (3 ranks), in continuous generation:
+    agent episodes reach the trainer with the agent metrics, and the run ends without a
+    traceback (calls of episodes stopped with the run are answered, not cancelled). (Batch
+    generation through the launcher: the SmolLM2 agent recipe, tests/test_smollm2_e2e.py, and
+    the `live` gateway above. Learning itself is measured in docs/agents.md.)"""
     from conftest import torchrun
 
+    mode = ["generator.mode=continuous", "sync.max_staleness=1"]
     proc = torchrun(3, ["-m", "llamarl.launch", "recipes/tiny_agent_cpu.yaml", "run.steps=3",
                         "run.eval_every=0", "data.eval_prompts=16", f"run.output_dir={tmp_path}",
                         *mode], timeout=900, LLAMARL_CACHE=str(cache_dir))

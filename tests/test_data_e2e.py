@@ -1,5 +1,6 @@
-"""End to end with a dataset file: the reverse task written as JSONL with its own field names and
-a few malformed rows, trained for 3 steps through the real launcher."""
+"""End to end with a dataset file: recipes/tiny_grpo_jsonl_cpu.yaml (the reverse task as JSONL
+with its own field names, a held-out file of its own), its training file replaced by one with a
+few malformed rows, trained for 3 steps through the real launcher."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from conftest import ROOT, child_env
 from llamarl.tiny.task import sample_examples
 
 pytestmark = pytest.mark.slow
-RECIPE = "recipes/tiny_grpo_cpu.yaml"
+RECIPE = "recipes/tiny_grpo_jsonl_cpu.yaml"  # (so test_e2e.py does not launch it again)
 
 
 def test_jsonl_dataset_with_malformed_rows_trains_and_counts_them(tmp_path, cache_dir):
@@ -28,8 +29,7 @@ def test_jsonl_dataset_with_malformed_rows_trains_and_counts_them(tmp_path, cach
     out = tmp_path / "runs"
     cmd = [sys.executable, "-m", "llamarl.launch", RECIPE, "run.steps=3", "run.checkpoint_every=3",
            f"run.output_dir={out}", "generator.prompts_per_step=8", "data.eval_prompts=16",
-           "run.eval_every=0", f"data.path={data}", "data.prompt_field=question",
-           "data.answer_field=target"]
+           "run.eval_every=0", f"data.path={data}"]  # (the recipe's fields: question, target)
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, env=child_env(LLAMARL_CACHE=cache_dir),
                           capture_output=True, text=True, timeout=600)
@@ -37,7 +37,7 @@ def test_jsonl_dataset_with_malformed_rows_trains_and_counts_them(tmp_path, cach
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f"{data}: skipped 3 malformed row(s)" in proc.stderr
     assert "first: line 11: not valid JSON" in proc.stderr
-    assert "held out from" in proc.stderr
+    assert "held out from recipes/data/reverse_eval.jsonl" in proc.stderr, proc.stderr[-3000:]
     (run,) = [p for p in out.iterdir() if p.is_dir()]
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]

@@ -124,15 +124,15 @@ def test_a_transport_is_a_registered_name_or_a_module_with_sender_and_receiver()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe,ranks", [("recipes/tiny_grpo_cpu.yaml", 3),
-                                          ("recipes/tiny_grpo_tp2_cpu.yaml", 4)],
-                         ids=["tp1", "tp2"])
-def test_runs_over_files(tmp_path, cache_dir, recipe, ranks):
+def test_runs_over_files(tmp_path, cache_dir):
     """The launcher with sync.transport=filesystem: every step samples from the weights the
-    trainer sent (the engine's logprobs are the trainer's), with one engine rank or two; the
-    recipe's held-out evaluation runs. tp2 is also the tp recipe's end-to-end run
+    trainer sent (the engine's logprobs are the trainer's) to an engine of two ranks; the
+    recipe's held-out evaluation runs. This is also the tp recipe's end-to-end run
     (recipes/tiny_grpo_tp2_cpu.yaml: 2 trainer ranks + one engine of tp 2, whose other rank
-    follows every call; over the torch transport: tests/test_tp.py)."""
+    follows every call; over the torch transport: tests/test_tp.py). (One engine rank over
+    files: the LoRA adapters' run in tests/test_lora.py and the engine-loss runs in
+    tests/test_engine_loss.py.)"""
+    recipe, ranks = "recipes/tiny_grpo_tp2_cpu.yaml", 4
     shared = tmp_path / "shared"
     tmp = Path(tempfile.gettempdir())
     sockets = {p for p in tmp.iterdir() if p.is_socket()}
@@ -148,8 +148,7 @@ def test_runs_over_files(tmp_path, cache_dir, recipe, ranks):
     assert json.loads((run / "layout.json").read_text())["world_size"] == ranks
     evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [0, 3]
-    if ranks == 4:
-        assert "[generator 0 (tp rank 1)] followed" in proc.stdout + proc.stderr
+    assert "[generator 0 (tp rank 1)] followed" in proc.stdout + proc.stderr
     # vLLM's tp message queues' socket files went to the engine's own directory (ipc_dir),
     # which the run's sweep removed; none are left in the temporary directory
     run_id = "-".join(run.name.split("-")[-3:])  # (the run directory: NAME-RUN_ID)

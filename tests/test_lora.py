@@ -355,21 +355,21 @@ ADAPTER_SYNCS = ["model.lora.sync=adapters", "model.lora.modules_to_save=[]"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("transport", ["torch", "filesystem"])
-def test_adapter_syncs_end_to_end(tmp_path, cache_dir, transport):
-    """recipes/tiny_grpo_lora_cpu.yaml with model.lora.sync=adapters through the launcher:
-    the trainer ranks send the adapters alone (rank 8: 32768 values, 64 KiB in float32 per
-    trainer rank), and the engine, running the base model with vLLM's LoRA layers, samples
-    with the trainer's policy at every step (kl_mis, the engine against the trainer per
-    token: float rounding), once the adapters have moved away from B = 0 too. Over the
-    filesystem transport, the run is then resumed: the engine gets the restored adapters
-    before its first generation (an engine left at B = 0 would show in kl_mis)."""
+def test_adapter_syncs_end_to_end(tmp_path, cache_dir):
+    """recipes/tiny_grpo_lora_cpu.yaml with model.lora.sync=adapters through the launcher,
+    over the filesystem transport: the trainer ranks send the adapters alone (rank 8: 32768
+    values, 64 KiB in float32 per trainer rank), and the engine, running the base model with
+    vLLM's LoRA layers, samples with the trainer's policy at every step (kl_mis, the engine
+    against the trainer per token: float rounding), once the adapters have moved away from
+    B = 0 too. The run is then resumed: the engine gets the restored adapters before its
+    first generation (an engine left at B = 0 would show in kl_mis). (The torch transport's
+    adapter syncs: the continuous test below.)"""
     from conftest import torchrun
     from test_async_e2e import SMALL, metrics_of
 
     def launch(*extra):
         proc = torchrun(3, ["-m", "llamarl.launch", "recipes/tiny_grpo_lora_cpu.yaml",
-                            *ADAPTER_SYNCS, f"sync.transport={transport}",
+                            *ADAPTER_SYNCS, "sync.transport=filesystem",
                             f"run.output_dir={tmp_path}", *SMALL, *extra],
                         timeout=600, LLAMARL_CACHE=cache_dir)
         assert proc.returncode == 0, proc.stderr[-4000:]
@@ -377,19 +377,19 @@ def test_adapter_syncs_end_to_end(tmp_path, cache_dir, transport):
         return proc
 
     launch("run.steps=4", "run.checkpoint_every=4")
-    if transport == "filesystem":
-        assert "resumed from" in launch("run.steps=6", "run.resume=auto").stderr
+    assert "resumed from" in launch("run.steps=6", "run.resume=auto").stderr
     run, rows = metrics_of(tmp_path)
-    assert [r["step"] for r in rows] == list(range(1, 5 if transport == "torch" else 7))
+    assert [r["step"] for r in rows] == list(range(1, 7))
     assert all(r["mismatch_kl"] < 1e-6 for r in rows), [r["mismatch_kl"] for r in rows]
     assert rows[-1]["kl_ref"] > 1e-4, "the adapters moved: the policy is not the base"
 
 
 @pytest.mark.slow
 def test_adapter_syncs_in_continuous_generation(tmp_path, cache_dir):
-    """Adapter-only syncs into an engine that generates continuously (in-flight updates,
-    sync.max_staleness 1): every sync's adapters reach the engine (its loads, in the
-    timeline), and the samples are at most one version behind, as in merged mode."""
+    """Adapter-only syncs over the torch transport into an engine that generates
+    continuously (in-flight updates, sync.max_staleness 1): every sync's adapters reach the
+    engine (its loads, in the timeline), the samples are at most one version behind, as in
+    merged mode, and those sampled with the trainer's current adapters have its logprobs."""
     from conftest import torchrun
     from test_async_e2e import SMALL, metrics_of
 
@@ -413,19 +413,45 @@ def test_adapter_syncs_in_continuous_generation(tmp_path, cache_dir):
 
 @pytest.mark.slow
 def test_the_lora_recipe_learns(tmp_path, cache_dir):
-    """recipes/tiny_grpo_lora_cpu.yaml as written (rank-8 adapters and the final norm, 300
-    steps): held-out reward +0.3 within 10 minutes of training (measured, seeds 0-2 on the
-    2-core machine: +0.34, +0.39, +0.35 in about 2 minutes alone)."""
-    from conftest import complete_rows, torchrun
+    """recipes/tiny_grpo_lora_cpu.yaml as written (rank-8 adapters and the final norm, a cosine
+    schedule over 300 steps), stopped (RUN_DIR/stop) once its step-150 evaluation is written:
+    held-out reward +0.25 by step 150 within 5 minutes of training (measured, seeds 0-2 on the
+    2-core machine: +0.33, +0.37, +0.33 at step 150, +0.34, +0.39, +0.35 at 300; the second
+    half of the run, about 80 s of the suite, is left to docs/trainer.md's measurement)."""
+    import subprocess
+    import sys
+    import time
 
-    proc = torchrun(3, ["-m", "llamarl.launch", "recipes/tiny_grpo_lora_cpu.yaml",
-                        "run.checkpoint_every=0", f"run.output_dir={tmp_path}"],
-                    timeout=1200, LLAMARL_CACHE=cache_dir)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    (run,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    from conftest import ROOT, child_env, complete_rows
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
+           "-m", "llamarl.launch", "recipes/tiny_grpo_lora_cpu.yaml", "run.checkpoint_every=0",
+           f"run.output_dir={tmp_path / 'out'}"]
+    log = open(tmp_path / "job.log", "w+")  # a file: nobody reads a pipe while the test waits
+    job = subprocess.Popen(cmd, cwd=ROOT, env=child_env(LLAMARL_CACHE=cache_dir), stdout=log,
+                           stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 1200
+        while job.poll() is None and time.monotonic() < deadline:
+            runs = [p for p in (tmp_path / "out").glob("*") if p.is_dir()]
+            evals = complete_rows(runs[0] / "eval.jsonl") if runs and (
+                runs[0] / "eval.jsonl").exists() else []
+            if any(e["step"] >= 150 for e in evals):
+                (runs[0] / "stop").touch()
+                break
+            time.sleep(1)
+        job.wait(timeout=300)
+    finally:
+        job.kill()
+        log.close()
+    out = (tmp_path / "job.log").read_text()
+    assert job.returncode == 0, out[-4000:]
+    (run,) = [p for p in (tmp_path / "out").iterdir() if p.is_dir()]
     evals = complete_rows(run / "eval.jsonl")
     rows = complete_rows(run / "metrics.jsonl")
-    assert [e["step"] for e in evals] == [0, 50, 100, 150, 200, 250, 300]
-    gain = evals[-1]["reward_mean"] - evals[0]["reward_mean"]
-    assert gain >= 0.3, [(e["step"], e["reward_mean"]) for e in evals]
-    assert rows[-1]["elapsed_s"] < 600, rows[-1]["elapsed_s"]
+    stopped = rows[-1]["step"]
+    assert 150 < stopped < 300 and f"stopping at step {stopped} of 300" in out, out[-3000:]
+    assert [e["step"] for e in evals] == [0, 50, 100, 150, stopped]
+    gain = evals[3]["reward_mean"] - evals[0]["reward_mean"]
+    assert gain >= 0.25, [(e["step"], e["reward_mean"]) for e in evals]
+    assert rows[-1]["elapsed_s"] < 300, rows[-1]["elapsed_s"]

@@ -91,22 +91,24 @@ def test_resume_continues_exactly(tmp_path, cache_dir, straight_run):
 
 def test_lora_resume_continues_exactly(tmp_path, cache_dir):
     """A LoRA run (recipes/tiny_grpo_lora_cpu.yaml, KL to the adapters-off reference): 6
-    steps straight == 3 + resume + 3 (the same batches and rewards, the same merged final
-    policy), its checkpoints hold the adapters only, and the step-3 checkpoint exports as the
-    merged model plus a PEFT adapter directory."""
-    # constant: a cosine schedule spans run.steps, which the split run's first part sets to 3
-    recipe, const = "recipes/tiny_grpo_lora_cpu.yaml", "trainer.lr_schedule=constant"
+    steps straight == resume from the straight run's step-3 checkpoint + 3 (the same batches
+    and rewards, the same merged final policy; as the PPO resume below, the copy keeps steps
+    1-3's rows and the resume rewrites the rest), its checkpoints hold the adapters only, and
+    the step-3 checkpoint exports as the merged model plus a PEFT adapter directory."""
+    recipe = "recipes/tiny_grpo_lora_cpu.yaml"  # (its cosine schedule: run.steps=6 in both)
     straight, split = tmp_path / "straight", tmp_path / "split"
-    launch(straight, cache_dir, "run.steps=6", const, recipe=recipe)
-    launch(split, cache_dir, "run.steps=3", const, recipe=recipe)
+    launch(straight, cache_dir, "run.steps=6", recipe=recipe)
+    shutil.copytree(only_run(straight), split / only_run(straight).name)
     first = only_run(split)
+    shutil.rmtree(first / "checkpoints" / "step_00000006")
+    shutil.rmtree(first / "policy")
     step3 = first / "checkpoints" / "step_00000003"
     assert json.loads((step3 / "meta.json").read_text())["lora"]["rank"] == 8
     from llamarl.export import export
     out = export(step3, tmp_path / "exported")
     assert (out / "adapter" / "adapter_config.json").is_file()
     assert not any("lora" in k for k in load_file(out / "model.safetensors"))
-    proc = launch(split, cache_dir, "run.steps=6", "run.resume=auto", const, recipe=recipe)
+    proc = launch(split, cache_dir, "run.steps=6", "run.resume=auto", recipe=recipe)
     assert "resumed from" in proc.stderr and "step_00000003" in proc.stderr
 
     a = [json.loads(x) for x in (only_run(straight) / "metrics.jsonl").read_text().splitlines()]
