@@ -154,7 +154,8 @@ def test_multi_turn_episodes_in_continuous_mode_with_tp(tmp_path, cache_dir):
 def test_two_host_launch_with_a_tp_engine(tmp_path, cache_dir):
     """Two torchrun agents of 2 ranks each on loopback, as on two hosts: the trainer ranks on
     host 0 and the tp 2 engine on host 1, so weights and rollouts cross hosts and the engine's
-    own world stays on its host."""
+    own world stays on its host. (The two-host launch of the suite: a tp 1 engine's crossing
+    is the same channel and weight group with one receiver rank.)"""
     out = two_host_launch(["-m", "llamarl.launch", RECIPE, "run.steps=2", SOLO,
                            f"run.output_dir={tmp_path}", *SMALL], 2, cache_dir, timeout=900)
     assert "e0t0 over gloo (cross-host)" in out and "e0t1 over gloo (cross-host)" in out, \
@@ -164,3 +165,5 @@ def test_two_host_launch_with_a_tp_engine(tmp_path, cache_dir):
     run, _ = metrics_of(tmp_path)
     layout = json.loads((run / "layout.json").read_text())
     assert (layout["world_size"], layout["ranks_per_node"]) == (4, 2)
+    roles = sorted(json.loads(x)["role"] for x in (run / "ranks.jsonl").read_text().splitlines())
+    assert roles == ["generator 0", "generator 0 (tp rank 1)", "trainer 0", "trainer 1"], roles
