@@ -101,7 +101,7 @@ def synthetic_batch(args, vocab: int, rank: int):
                  for _ in range(8)]
         clens = [length(4, args.completion_len, True) for _ in range(n)]
     prompts = [torch.randint(3, vocab, (p,), generator=g).tolist() for p in plens]
-    if args.mixed:  # a group's samples answer one prompt (what trainer.share_prompts reads)
+    if args.mixed or args.groups:  # a group's samples answer one prompt (trainer.share_prompts)
         prompts = [prompts[i - i % 8] for i in range(n)]
     comps = [torch.randint(3, vocab, (c,), generator=g).tolist() for c in clens]
     lps = [(-torch.rand(c, generator=g)).tolist() for c in clens]
@@ -215,6 +215,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--mixed", action="store_true", help="long-tailed sequence lengths")
+    p.add_argument("--groups", action="store_true",
+                   help="without --mixed: the fixed lengths, a group of 8 sharing one prompt "
+                        "(a GRPO batch's layout; --mixed always shares)")
     p.add_argument("--compare", action="store_true", help="padded vs packed + chunked head")
     p.add_argument("--budget", type=int, default=2048, help="tokens per packed micro-batch")
     p.add_argument("--nproc", type=int, default=1, help="trainer ranks with --compare")
@@ -235,6 +238,8 @@ def main() -> None:
                         "sequence (as before), not the true longest")
     p.add_argument("--unfused-head", action="store_true",
                    help="trainer.compile compiles the head's in-place softmax passes")
+    p.add_argument("--recompute-logits", action="store_true",
+                   help="the head's backward recomputes its logits (KEEP_LOGITS_MIB = 0)")
     p.add_argument("--keep-unsharded", action="store_true",
                    help="every block keeps its unsharded parameters from forward to backward "
                         "(FSDP2 reshard_after_forward=False: stable addresses for CUDA graphs)")
@@ -281,6 +286,9 @@ def main() -> None:
         fsdp_mod.fully_shard = lambda m, **kw: shard(m, **{**kw, "reshard_after_forward": False})
     if args.row_length_bound:
         varlen_attention.PASS_LONGEST = False
+    if args.recompute_logits:
+        from llamarl.trainer import linear_logprobs as head
+        head.KEEP_LOGITS_MIB = head.KEEP_LOGITS_MIB_CUDA = 0.0
     if args.unfused_head:
         from llamarl.trainer import linear_logprobs as head
         head.FORWARD_FOR_COMPILE, head.GRAD_FOR_COMPILE = head._chunk_forward, head._chunk_grad

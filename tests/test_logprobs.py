@@ -92,6 +92,33 @@ def test_linear_logprobs_backward_equals_autograd_of_the_whole_softmax(entropy_g
         assert torch.allclose(a.float(), c.float(), rtol=1e-4, atol=1e-5), (a - c).abs().max()
 
 
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_kept_logits_give_the_recomputed_gradients_bit_for_bit(monkeypatch, entropy_grad):
+    """A bfloat16 head under KEEP_LOGITS_MIB keeps its logits for backward; recomputing them
+    (the budget at 0) gives the same logprobs, entropies and gradients, bit for bit."""
+    from llamarl.trainer import linear_logprobs as head
+
+    torch.manual_seed(2)
+    h0 = torch.randn(300, 32, dtype=torch.bfloat16)
+    w0 = torch.randn(2000, 32, dtype=torch.bfloat16)
+    y = torch.randint(0, 2000, (300,))
+    saved = []
+    real_apply = head.LinearLogprobs.apply
+    monkeypatch.setattr(head.LinearLogprobs, "apply",
+                        lambda *a: saved.append(a[-1]) or real_apply(*a))
+
+    def run(budget):
+        monkeypatch.setattr(head, "KEEP_LOGITS_MIB", budget)
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        lp, ent = head.linear_logprobs(h, w, None, y, 1.0, 64, entropy_grad=entropy_grad)
+        (lp.sum() + (0.3 * ent.sum() if entropy_grad else 0.0)).backward()
+        return lp.detach(), ent.detach(), h.grad, w.grad
+
+    kept, recomputed = run(256.0), run(0.0)
+    assert saved == [True, False]  # each path taken once
+    assert all(torch.equal(a, b) for a, b in zip(kept, recomputed))
+
+
 def test_compiled_softmax_passes_equal_the_eager_ones():
     """trainer.compile compiles the head's two elementwise passes (linear_logprobs.use_compiled):
     same values and gradients, entropy gradient included."""

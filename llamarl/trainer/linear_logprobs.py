@@ -134,18 +134,23 @@ FORWARD_FOR_COMPILE, GRAD_FOR_COMPILE = _chunk_forward_fusable, _chunk_grad_fusa
 
 class LinearLogprobs(torch.autograd.Function):
     """(h [N, H], W [V, H], b [V] or None, y [N] long, tau, rows per chunk, entropy has a
-    gradient) -> (logp [N], entropy [N]), both float32."""
+    gradient, keep the chunks' logits for backward) -> (logp [N], entropy [N]), both
+    float32."""
 
     @staticmethod
-    def forward(ctx, h, w, b, y, tau: float, rows: int, entropy_grad: bool):
+    def forward(ctx, h, w, b, y, tau: float, rows: int, entropy_grad: bool,
+                keep_logits: bool = False):
         n = h.shape[0]
         logp, ent, lse = (torch.empty(n, dtype=torch.float32, device=h.device)
                           for _ in range(3))
+        kept = []
         for a in range(0, n, rows):
             logits = torch.nn.functional.linear(h[a:a + rows], w, b)
             lse[a:a + rows], logp[a:a + rows], ent[a:a + rows] = _forward_fn(
                 logits, y[a:a + rows], tau)
-        ctx.save_for_backward(h, w, b, y, lse, ent)
+            if keep_logits:  # (_forward_fn reads them without writing into them)
+                kept.append(logits)
+        ctx.save_for_backward(h, w, b, y, lse, ent, *kept)
         ctx.tau, ctx.rows, ctx.entropy_grad = tau, rows, entropy_grad
         if not entropy_grad:
             ctx.mark_non_differentiable(ent)
@@ -154,7 +159,7 @@ class LinearLogprobs(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable  # (no double backward through it)
     def backward(ctx, g_logp, g_ent):
-        h, w, b, y, lse, ent = ctx.saved_tensors
+        h, w, b, y, lse, ent, *kept = ctx.saved_tensors
         tau, rows = ctx.tau, ctx.rows
         n = h.shape[0]
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -167,9 +172,10 @@ class LinearLogprobs(torch.autograd.Function):
               if need_b and b is not None else None)
         g_logp = torch.zeros(n, device=h.device) if g_logp is None else g_logp.float()
         g_ent = g_ent.float() if ctx.entropy_grad and g_ent is not None else None
-        for a in range(0, n, rows):
+        for i, a in enumerate(range(0, n, rows)):
             hs = h[a:a + rows]
-            gz = _grad_fn(torch.nn.functional.linear(hs, w, b), y[a:a + rows],
+            logits = kept[i] if kept else torch.nn.functional.linear(hs, w, b)
+            gz = _grad_fn(logits, y[a:a + rows],
                           lse[a:a + rows], ent[a:a + rows], g_logp[a:a + rows],
                           None if g_ent is None else g_ent[a:a + rows], tau)
             if need_h:
@@ -178,16 +184,32 @@ class LinearLogprobs(torch.autograd.Function):
                 dw.addmm_(gz.t(), hs)
             if db is not None:
                 db += gz.float().sum(0)
-        return dh, dw, None if db is None else db.to(b.dtype), None, None, None, None
+        return dh, dw, None if db is None else db.to(b.dtype), None, None, None, None, None
+
+
+# Up to this many MiB of a micro-batch's half-precision logits (every chunk together) are
+# kept from forward to backward instead of recomputed there: one [N, H] x [H, V] product fewer
+# per micro-batch, the same values (the recomputed product is the same call on the same
+# inputs). SmolLM2's 49k vocabulary over a micro-batch's ~740 scored positions is 72 MiB in
+# bfloat16 (docs/measured.md has the time saved). Half precision only: float32 logits are the
+# softmax pass's own buffer (`.float()` returns them, `sub_` overwrites them). 0 on a GPU,
+# where the product is cheap next to the memory it would hold.
+KEEP_LOGITS_MIB = 256.0
+KEEP_LOGITS_MIB_CUDA = 0.0
 
 
 def linear_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     targets: torch.Tensor, temperature: float, rows: int,
                     entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """logp and entropy [..., ] of the positions of h [..., H] (targets [...]), `rows`
-    positions per chunk of the vocabulary computation; see the module docstring."""
+    positions per chunk of the vocabulary computation; see the module docstring and
+    KEEP_LOGITS_MIB."""
     lead = targets.shape
-    lp, ent = LinearLogprobs.apply(h.reshape(-1, h.shape[-1]), weight, bias,
-                                   targets.reshape(-1), float(temperature), max(1, int(rows)),
-                                   bool(entropy_grad))
+    h2 = h.reshape(-1, h.shape[-1])
+    budget = KEEP_LOGITS_MIB_CUDA if h.is_cuda else KEEP_LOGITS_MIB
+    keep = (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+            and weight.dtype in (torch.bfloat16, torch.float16)
+            and h2.shape[0] * weight.shape[0] * weight.element_size() <= budget * 2**20)
+    lp, ent = LinearLogprobs.apply(h2, weight, bias, targets.reshape(-1), float(temperature),
+                                   max(1, int(rows)), bool(entropy_grad), keep)
     return lp.reshape(lead), ent.reshape(lead)
