@@ -11,6 +11,12 @@ bench/results/soak.json.
 
     python bench/soak.py                      # make bench-soak: 1000 steps, ~10 min on 2 cores
     python bench/soak.py --steps 200 --from-step 50 --every 25   # a quick look
+    python bench/soak.py --recipe recipes/smollm2_add_cpu.yaml --steps 100 --from-step 30 \
+        --every 10 --checkpoint-every 50 --out bench/results/soak_smollm2.json
+                                              # the real model in bfloat16 (oneDNN's cache)
+
+Also reported: the median step time of the first and the last --every steps after
+--from-step (from metrics.jsonl), so a slowdown shows beside a leak.
 """
 
 from __future__ import annotations
@@ -91,6 +97,22 @@ def growth(first: dict, last: dict) -> dict:
     return out
 
 
+def step_times(run: Path, start: int, window: int) -> dict:
+    """Median step_time_s of the `window` steps after step `start` and of the last `window`
+    (trainer rank 0's rows of metrics.jsonl)."""
+    import statistics
+
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    t = {r["step"]: r["step_time_s"] for r in rows if "step_time_s" in r}
+    steps = sorted(t)
+    early = [s for s in steps if start < s <= start + window]
+    late = steps[-window:]
+    return {"early_steps": f"{early[0]}-{early[-1]}",
+            "early_s": statistics.median(t[s] for s in early),
+            "late_steps": f"{late[0]}-{late[-1]}",
+            "late_s": statistics.median(t[s] for s in late)}
+
+
 def main() -> None:
     torchrun_logs_in_temp()  # (bench/launch_logs.py)
     p = argparse.ArgumentParser()
@@ -99,11 +121,14 @@ def main() -> None:
     p.add_argument("--from-step", type=int, default=200, help="growth measured from here")
     p.add_argument("--checkpoint-every", type=int, default=50)
     p.add_argument("--out", default="bench/results/soak.json")
+    p.add_argument("--recipe", default=RECIPE)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a recipe override (repeatable)")
     args = p.parse_args()
     out_dir = Path(tempfile.mkdtemp(prefix="llamarl-soak-"))
-    cmd = [sys.executable, "-m", "llamarl.launch", RECIPE, f"run.steps={args.steps}",
+    cmd = [sys.executable, "-m", "llamarl.launch", args.recipe, f"run.steps={args.steps}",
            f"run.output_dir={out_dir}", f"run.checkpoint_every={args.checkpoint_every}",
-           "run.eval_every=100"]
+           "run.eval_every=100", *args.set]
     log = open(out_dir / "soak.log", "w")
     job = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     samples, t0, due = [], time.time(), args.every
@@ -132,7 +157,9 @@ def main() -> None:
     last = samples[-1]
     report = growth(first, last)
     worst = max((g for k, (_, _, g) in report.items() if "rss" in k), default=0.0)
-    result = {"recipe": RECIPE, "steps": args.steps, "wall_s": time.time() - t0,
+    times = step_times(run, first["step"], args.every)
+    result = {"recipe": args.recipe, "overrides": args.set, "steps": args.steps,
+              "wall_s": time.time() - t0, "step_time_s": times,
               "from_step": first["step"], "last_step": last["step"],
               "growth": {k: {"from": a, "end": b, "relative": g}
                          for k, (a, b, g) in report.items()},
@@ -145,6 +172,8 @@ def main() -> None:
     for k, (a, b, g) in report.items():
         print(f"  {k:40s} {a:12.1f} -> {b:12.1f}  "
               + (f"{100 * g:+6.1f}%" if g is not None else "(in flight)"))
+    print(f"median step time, steps {times['early_steps']}: {times['early_s']:.2f} s; steps "
+          f"{times['late_steps']}: {times['late_s']:.2f} s")
     print(f"worst RSS growth {100 * worst:+.1f}% (goal: under 5%); shared memory left after "
           f"the run: {len(result['leftover_shm'])} segments")
 
