@@ -65,6 +65,7 @@ def score_hf(policy: str, recipe: str, samples: int, seeds: list[int],
              autocast: bool) -> list[float]:
     """bench/peer_trl.py's Clock.evaluate, for --samples and each seed."""
     import torch
+    from peer_trl import left_padded  # (bench/: the script's own directory)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from llamarl.data.prompts import PromptFormatter
@@ -75,12 +76,8 @@ def score_hf(policy: str, recipe: str, samples: int, seeds: list[int],
     tok = AutoTokenizer.from_pretrained(policy)
     model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32).eval()
     fmt = PromptFormatter(tok, cfg.data.chat_template, cfg.data.system_prompt)
-    ids = fmt.encode(held)
-    width = max(len(p.token_ids) for p in ids)
-    inp = torch.tensor([[tok.pad_token_id] * (width - len(p.token_ids)) + p.token_ids
-                        for p in ids])
-    mask = (torch.arange(width)[None] >= width - torch.tensor(
-        [len(p.token_ids) for p in ids])[:, None]).long()
+    inp, mask = left_padded(fmt.encode(held), tok.pad_token_id)
+    width = inp.shape[1]
     out = []
     for seed in seeds:
         torch.manual_seed(7919 + seed)

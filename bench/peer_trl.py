@@ -159,6 +159,18 @@ def llamarl_summary(run: Path, thresholds=THRESHOLDS["tiny"]) -> dict:
 
 
 # -------------------------------------------------------------------------------------- TRL
+def left_padded(prompts, pad_id: int):
+    """HF generate's batch of prompts (llamarl Prompt objects): ids [B, W] padded on the left,
+    attention mask [B, W]."""
+    import torch
+
+    width = max(len(p.token_ids) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p.token_ids)) + p.token_ids for p in prompts])
+    mask = (torch.arange(width)[None] >= width - torch.tensor(
+        [len(p.token_ids) for p in prompts])[:, None]).long()
+    return ids, mask
+
+
 def run_trl(model_dir: str, seed: int, steps: int, eval_every: int, prompts: int, samples: int,
             max_new_tokens: int, lr: float, warmup: int, out: Path, data_cfg=None,
             bf16: bool = False, reward_fn=None, eval_samples: int = 4,
@@ -249,12 +261,8 @@ def run_trl(model_dir: str, seed: int, steps: int, eval_every: int, prompts: int
             t0 = time.perf_counter()
             was = model.training
             model.eval()
-            ids = fmt.encode(held)
-            width = max(len(p.token_ids) for p in ids)
-            inp = torch.tensor([[tok.pad_token_id] * (width - len(p.token_ids)) + p.token_ids
-                                for p in ids])
-            mask = (torch.arange(width)[None] >= width - torch.tensor(
-                [len(p.token_ids) for p in ids])[:, None]).long()
+            inp, mask = left_padded(fmt.encode(held), tok.pad_token_id)
+            width = inp.shape[1]
             torch.manual_seed(7919 + step)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 out = generate(input_ids=inp, attention_mask=mask, do_sample=True,
