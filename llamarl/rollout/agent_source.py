@@ -127,7 +127,6 @@ class AgentRunner:
             self.episodes[eid] = _Episode(key, api_key, EpisodeCapture(src.renderer))
             self.calls[src.pool.run(eid, episode_row(prompt), api_key)] = eid
         self.live += n
-        self.metrics["episodes"] += n
 
     def abort(self, key: int) -> None:
         """Stop group `key`: its calls leave the engine and are answered 503, its keys are
@@ -268,6 +267,10 @@ class AgentRunner:
             if any(e.reward is None for e in eps):
                 continue
             del self.groups[key]
+            # counted as they complete, with their model calls (capture counts below): in
+            # continuous generation a batch's window also starts episodes that finish in a
+            # later one, and counting those at their start read 0.6 model calls per episode
+            m["episodes"] += len(eps)
             samples = []
             for eid, ep in zip(eids, eps):
                 del self.episodes[eid]
