@@ -286,11 +286,10 @@ def main() -> None:
         fsdp_mod.fully_shard = lambda m, **kw: shard(m, **{**kw, "reshard_after_forward": False})
     if args.row_length_bound:
         varlen_attention.PASS_LONGEST = False
+    from llamarl.trainer import linear_logprobs as head
     if args.recompute_logits:
-        from llamarl.trainer import linear_logprobs as head
         head.KEEP_LOGITS_MIB = head.KEEP_LOGITS_MIB_CUDA = 0.0
     if args.unfused_head:
-        from llamarl.trainer import linear_logprobs as head
         head.FORWARD_FOR_COMPILE, head.GRAD_FOR_COMPILE = head._chunk_forward, head._chunk_grad
 
     variant = ["trainer.share_prompts=false"]  # padded rows, as measured before the option

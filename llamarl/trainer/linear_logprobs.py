@@ -1,6 +1,7 @@
 """Logprobs of the sampled tokens (and the entropy) straight from the final hidden states,
-through the LM head chunk by chunk, with a hand-written backward: no [N, V] tensor is ever
-whole, and no autograd graph is kept over the vocabulary.
+through the LM head chunk by chunk, with a hand-written backward: no float32 [N, V] tensor is
+ever whole, and no autograd graph is kept over the vocabulary. (Small half-precision logits
+are kept from forward to backward instead of recomputed: KEEP_LOGITS_MIB.)
 
 For N positions with hidden states h [N, H], the head's weight W [V, H] (and bias b [V]),
 targets y [N] and temperature tau:
