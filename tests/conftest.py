@@ -19,12 +19,15 @@ DIST = Path(__file__).resolve().parent / "dist"
 # temporary directory and never removes it: the suite's ~100 launches left as many behind.
 # Every launch of the session (the tests' own torchrun commands, and those llamarl.launch
 # starts) reads its --log-dir from PET_LOG_DIR: one directory, removed when the session ends.
-ELASTIC_LOG_DIR = tempfile.mkdtemp(prefix="llamarl-tests-torchelastic-")
-os.environ["PET_LOG_DIR"] = ELASTIC_LOG_DIR
+# Made in pytest_configure, not at import: test modules also import this file as `conftest`,
+# a second module object, and an import-time mkdtemp left two empty directories per session.
+def pytest_configure(config):
+    config.elastic_log_dir = tempfile.mkdtemp(prefix="llamarl-tests-torchelastic-")
+    os.environ["PET_LOG_DIR"] = config.elastic_log_dir
 
 
 def pytest_sessionfinish(session, exitstatus):
-    shutil.rmtree(ELASTIC_LOG_DIR, ignore_errors=True)
+    shutil.rmtree(session.config.elastic_log_dir, ignore_errors=True)
 
 
 def has_cuda() -> bool:
