@@ -1,11 +1,12 @@
 """Trainer throughput of one RL update: GRPO (policy only) vs PPO (policy + critic + frozen
 reference with a KL reward penalty), side by side in one run, FSDP2 on every rank of the launch.
 
-Per algorithm: one warm-up update, then --repeats timed updates on the same synthetic rollout
-batch (random token ids: throughput does not depend on their values). Reports the median
-seconds per update, trained tokens/s (prompt + completion tokens of the batch / time), the
-share of the forwards' tokens that are padding, and the peak memory (accelerator; on the CPU
-the growth of the process's peak RSS over the updates), and PPO's cost relative to GRPO.
+Per algorithm: one warm-up update (its time reported apart: warmup_update_s), then --repeats
+timed updates on the same synthetic rollout batch (random token ids: throughput does not depend
+on their values). Reports the median seconds per update, trained tokens/s (prompt + completion
+tokens of the batch / time), the share of the forwards' tokens that are padding, and the peak
+memory (accelerator; on the CPU the growth of the process's peak RSS over the updates), and
+PPO's cost relative to GRPO.
 
 --compare: the GRPO update before and after packing and the chunked LM head, side by side, each
 in a fresh torchrun (so each peak is its own): `padded` = trainer.micro_batch_size rows padded
@@ -324,15 +325,15 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
         times = []
-        for i in range(args.repeats + 1):
+        for _ in range(args.repeats + 1):
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             stats = policy_step(trainer, batch, cfg, pad, reference=reference, critic=critic)
             if cuda:
                 torch.cuda.synchronize()
-            if i:  # the first is warm-up
-                times.append(time.perf_counter() - t0)
+            times.append(time.perf_counter() - t0)
+        warmup_s, times = times[0], times[1:]  # the first is warm-up (reported apart)
         med = statistics.median(times)
         update = functools.partial(policy_step, trainer, batch, cfg, pad)
         profiled = sites = None
@@ -350,7 +351,7 @@ def main() -> None:
                         else None, "cpu_peak_rss_growth_gib": None if cuda else rss,
                         "model_tflops_per_s": flops / med / 1e12 / world,
                         "mfu": flops / med / 1e12 / world / peak if peak else None,
-                        "update_s_all": times}
+                        "update_s_all": times, "warmup_update_s": warmup_s}
         if profiled:
             results[alg]["profile"] = profiled
         if sites is not None:

@@ -267,6 +267,7 @@ def test_agent_recipe_trains_through_the_launcher(tmp_path, cache_dir):
     mode = ["generator.mode=continuous", "sync.max_staleness=1"]
     proc = torchrun(3, ["-m", "llamarl.launch", "recipes/tiny_agent_cpu.yaml", "run.steps=3",
                         "run.eval_every=0", "data.eval_prompts=16", f"run.output_dir={tmp_path}",
+                        "generator.prompts_per_step=16",
                         *mode], timeout=900, LLAMARL_CACHE=str(cache_dir))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert "Traceback" not in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-4000:]
@@ -276,5 +277,5 @@ def test_agent_recipe_trains_through_the_launcher(tmp_path, cache_dir):
     for row in rows:
         assert row["model_calls_per_episode"] >= 1 and row["agent_errors"] == 0
         assert row["prefix_breaks"] == 0 and 0 < row["masked_response_share"] < 1
-        assert sum(v for k, v in row.items() if k.startswith("episodes_")) == 32 * 8
+        assert sum(v for k, v in row.items() if k.startswith("episodes_")) == 16 * 8
     assert any(row["agent_tool_calls"] > 0 for row in rows)

@@ -225,7 +225,7 @@ def test_plot_writes_charts_and_a_chrome_trace(finished_run):
 # tiny_agent_cpu.yaml (test_agent_gateway.py), smollm2_add_cpu.yaml and
 # smollm2_distill_cpu.yaml (test_smollm2_e2e.py; the latter's teacher takes minutes to train),
 # smollm2_tool_cpu.yaml and smollm2_agent_cpu.yaml (test_smollm2_e2e.py), tiny_grpo_lora_cpu.yaml
-# (test_resume.py; and 150 of its steps in test_lora.py), tiny_grpo_jsonl_cpu.yaml
+# (test_resume.py; and 100 of its steps in test_lora.py), tiny_grpo_jsonl_cpu.yaml
 # (test_data_e2e.py, with malformed rows).
 ELSEWHERE = {"tiny_tool_cpu.yaml", "tiny_grpo_cpu.yaml", "tiny_ppo_cpu.yaml",
              "tiny_grpo_tp2_cpu.yaml", "tiny_grpo_async_cpu.yaml", "tiny_distill_cpu.yaml",

@@ -414,10 +414,10 @@ def test_adapter_syncs_in_continuous_generation(tmp_path, cache_dir):
 @pytest.mark.slow
 def test_the_lora_recipe_learns(tmp_path, cache_dir):
     """recipes/tiny_grpo_lora_cpu.yaml as written (rank-8 adapters and the final norm, a cosine
-    schedule over 300 steps), stopped (RUN_DIR/stop) once its step-150 evaluation is written:
-    held-out reward +0.25 by step 150 within 5 minutes of training (measured, seeds 0-2 on the
-    2-core machine: +0.33, +0.37, +0.33 at step 150, +0.34, +0.39, +0.35 at 300; the second
-    half of the run, about 80 s of the suite, is left to docs/trainer.md's measurement)."""
+    schedule over 300 steps), stopped (RUN_DIR/stop) once its step-100 evaluation is written:
+    held-out reward +0.15 by step 100 (measured, seeds 0-2 on the 2-core machine: +0.21,
+    +0.30, +0.25 at step 100; +0.33, +0.37, +0.33 at 150 and +0.34, +0.39, +0.35 at 300, the
+    recipe's claim, are left to docs/trainer.md's measurement to keep the suite short)."""
     import subprocess
     import sys
     import time
@@ -436,7 +436,7 @@ def test_the_lora_recipe_learns(tmp_path, cache_dir):
             runs = [p for p in (tmp_path / "out").glob("*") if p.is_dir()]
             evals = complete_rows(runs[0] / "eval.jsonl") if runs and (
                 runs[0] / "eval.jsonl").exists() else []
-            if any(e["step"] >= 150 for e in evals):
+            if any(e["step"] >= 100 for e in evals):
                 (runs[0] / "stop").touch()
                 break
             time.sleep(1)
@@ -450,8 +450,8 @@ def test_the_lora_recipe_learns(tmp_path, cache_dir):
     evals = complete_rows(run / "eval.jsonl")
     rows = complete_rows(run / "metrics.jsonl")
     stopped = rows[-1]["step"]
-    assert 150 < stopped < 300 and f"stopping at step {stopped} of 300" in out, out[-3000:]
-    assert [e["step"] for e in evals] == [0, 50, 100, 150, stopped]
-    gain = evals[3]["reward_mean"] - evals[0]["reward_mean"]
-    assert gain >= 0.25, [(e["step"], e["reward_mean"]) for e in evals]
+    assert 100 < stopped < 300 and f"stopping at step {stopped} of 300" in out, out[-3000:]
+    assert [e["step"] for e in evals] == [0, 50, 100, stopped]
+    gain = evals[2]["reward_mean"] - evals[0]["reward_mean"]
+    assert gain >= 0.15, [(e["step"], e["reward_mean"]) for e in evals]
     assert rows[-1]["elapsed_s"] < 300, rows[-1]["elapsed_s"]

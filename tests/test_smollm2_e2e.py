@@ -148,7 +148,10 @@ def test_tool_recipes_call_the_calculator_through_the_chat_template(smollm2_cach
     run, and the result came back through the template in both paths. The gateway splices every
     call onto the one before (no prefix breaks) and the trained tokens are the engine's own
     (the engine's logprobs match the trainer's)."""
-    small = [*SMALL, "run.steps=1", "generator.max_new_tokens=40"]  # evaluated before and after
+    # evaluated before and after; one step of 2 prompts x 2 episodes (a launch is ~40 s here,
+    # most of it the start and the first update's one-time costs)
+    small = [*SMALL, "run.steps=1", "generator.max_new_tokens=40",
+             "generator.prompts_per_step=2", "generator.samples_per_prompt=2"]
     for name in ("tool", "agent"):  # one after the other: side by side oversubscribe 2 cores
         out = tmp_path / name
         cmd = [sys.executable, "-m", "llamarl.launch", f"recipes/smollm2_{name}_cpu.yaml",

@@ -17,6 +17,11 @@
   malformed calls while it learns, and the parser then returns the reply as plain content,
   which the agent sees as it would from any OpenAI-style server. An expected event of
   training, not of the run: dropped.
+* transformers' "Loading weights" progress bar (every trainer rank, every model it loads: the
+  policy, a reference, a critic): a carriage-return bar that interleaves across ranks and
+  fills a log file with its redraws, for a load that takes seconds. llamarl's own line says
+  what was loaded. Off unless HF_HUB_DISABLE_PROGRESS_BARS is set already (transformers reads
+  it at import).
 * `torch.distributed.reduce_op is deprecated` (FutureWarning, with its source line): vLLM's
   kernel dispatcher reads every attribute of the modules it scans, torch.distributed's
   deprecated alias among them, at import. Nothing the user or llamarl calls: ignored.
@@ -50,7 +55,9 @@ class OncePerMessage(logging.Filter):
 
 
 def quiet_third_party() -> None:
-    """Call before importing vLLM; idempotent."""
+    """Call before importing vLLM or transformers (every rank: launch/runtime.py setup);
+    idempotent."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.reduce_op.*deprecated",
                             category=FutureWarning)
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from llamarl.buffer.shm import sweep_run
 from llamarl.config import Config, config_to_yaml, reshards
 from llamarl.errors import first_line
+from llamarl.generator.log_hygiene import quiet_third_party
 from llamarl.launch.dist_env import DistEnv
 from llamarl.launch.gpus import placed_index
 from llamarl.launch.job_store import StoreError, job_identity, job_prefix, open_job_store
@@ -188,6 +189,7 @@ def pick_device(env: DistEnv) -> torch.device:
 
 
 def setup(cfg: Config, layout: Layout, env: DistEnv, joining: str = "") -> Runtime:
+    quiet_third_party()  # before a role imports transformers or vLLM
     role = layout.role_of(env.rank)
     prefix = job_prefix(env.restart)
     hosts_store = not env.agent_store and env.rank == 0
