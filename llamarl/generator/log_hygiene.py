@@ -1,4 +1,6 @@
-"""What third-party code prints in a generator process, kept to lines worth reading.
+"""What third-party code prints in a llamarl rank (mostly a generator's vLLM), kept to lines
+worth reading. Every rank calls quiet_third_party at setup (launch/runtime.py); an engine
+started outside a launch (benchmarks, tests) gets it from engine.import_vllm.
 
 * vLLM's logger: each distinct warning once. Some of its warnings fire on every call of a
   patched function (the CPU worker replaces torch.set_num_threads with a function that warns
