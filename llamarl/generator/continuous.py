@@ -38,7 +38,7 @@ from llamarl.generator.slots import SlotSet
 from llamarl.generator.weights import fresh_version
 from llamarl.launch.runtime import Runtime
 from llamarl.rewards.dynamic_sampling import is_informative
-from llamarl.rewards.scorer import ScoredGroup, score_groups
+from llamarl.rewards.scorer import ScoredGroup, group_counts, score_groups
 from llamarl.rollout.single_turn import completion_sample
 
 _IDLE_S = 0.002  # sleep while nothing runs and the trainer has no room
@@ -454,10 +454,10 @@ def _ship(rt: Runtime, slots: SlotSet, slot, ready: list[ScoredGroup],
                                 rt.cfg.run.samples_per_step))
     rollout = meter.metrics(take)
     if pool.metrics:  # multi-turn: tool and environment counts since the last batch; the
-        # episodes and turns are the batch's own
+        # episodes, turns and the counts kept with each group (agent) are the batch's own
         rollout.update(pool.metrics, collect_s=rollout["wall_s"], **episode_counts(batch),
                        episodes=float(len(batch)), turns=float(batch.turns.sum()),
-                       engine_busy_s=rollout["engine_busy_s"])
+                       engine_busy_s=rollout["engine_busy_s"], **group_counts(take))
     rewards = {name: sum(sum(grp.components[name]) for grp in take) / len(batch)
                for name in take[0].components}
     batch.info.update(

@@ -48,6 +48,18 @@ class ScoredGroup:
     components: dict[str, list[float]] = field(default_factory=dict)  # name -> [G] unweighted
     index: int = 0  # position among every prompt drawn for this batch (unique within it)
     samples: list = field(default_factory=list)  # [G] buffer.record.Sample, the trained record
+    # rollout counts summed over the G episodes (rollout.source = agent: model calls, prefix
+    # breaks, agent_<metric>), for a batch's metrics over its own groups
+    counts: dict[str, float] = field(default_factory=dict)
+
+
+def group_counts(groups: list[ScoredGroup]) -> dict[str, float]:
+    """The groups' `counts` summed, key by key (the keys any group has)."""
+    total: dict[str, float] = {}
+    for grp in groups:
+        for k, v in grp.counts.items():
+            total[k] = total.get(k, 0.0) + v
+    return total
 
 
 class RewardScorer:

@@ -48,6 +48,7 @@ class _Episode:
     finish: str = "stop"
     calls: int = 0  # model calls made (request ids)
     running: dict = field(default_factory=dict)  # call number -> _Pending
+    metrics: dict = field(default_factory=dict)  # what the agent returned with its reward
 
 
 @dataclass
@@ -242,9 +243,7 @@ class AgentRunner:
             self.live -= 1
             ended.add(ep.group)
             if outcome[0] == "ok":
-                ep.reward, metrics = outcome[1]
-                for k, v in metrics.items():
-                    m[f"agent_{k}"] = m.get(f"agent_{k}", 0.0) + v
+                ep.reward, ep.metrics = outcome[1]
                 self._stop_calls(eid, ep, 403, "the episode has ended")
                 continue
             kind, what = outcome
@@ -267,21 +266,27 @@ class AgentRunner:
             if any(e.reward is None for e in eps):
                 continue
             del self.groups[key]
-            # counted as they complete, with their model calls (capture counts below): in
-            # continuous generation a batch's window also starts episodes that finish in a
-            # later one, and counting those at their start read 0.6 model calls per episode
+            # counted as they complete, with their model calls and the agent's metrics
+            # (capture counts below), and kept with the group: in continuous generation a
+            # batch's window also starts episodes that finish in a later one (counted at
+            # their start: 0.6 model calls per episode), and a batch may take groups
+            # completed in an earlier window (a window's counts could read below 1), so
+            # continuous.py sums the batch's own groups' counts
             m["episodes"] += len(eps)
-            samples = []
+            samples, group_counts = [], {}
             for eid, ep in zip(eids, eps):
                 del self.episodes[eid]
                 sample, counts = ep.capture.sample(version)
+                counts.update({f"agent_{k}": v for k, v in ep.metrics.items()})
                 for k, v in counts.items():
-                    m[k] += v
+                    m[k] = m.get(k, 0.0) + v
+                    group_counts[k] = group_counts.get(k, 0.0) + v
                 if not sample.token_ids:  # no model call: its prompt, with nothing to train
                     sample = Sample()
                     sample.add_context(prompt.token_ids)
                 sample.finish = ep.finish
                 samples.append(sample)
-            done.append(ScoredGroup(prompt, [], [e.reward for e in eps], {}, key, samples))
+            done.append(ScoredGroup(prompt, [], [e.reward for e in eps], {}, key, samples,
+                                    group_counts))
         return done
 
