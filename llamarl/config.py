@@ -79,8 +79,11 @@ class ModelConfig:
     path: str = "tiny:reverse"
     # The compute dtype: the engines' weights, the trainer's forward/backward (FSDP2 mixed
     # precision) and the exported policy. The trainer's own copy of the weights, its gradients
-    # and AdamW's state are in trainer.master_dtype.
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+    # and AdamW's state are in trainer.master_dtype. auto: bfloat16 on a GPU host or a CPU
+    # with fast bfloat16 products (AVX-512, AMX, Arm BF16), else float32 (an AVX2-only CPU runs
+    # bfloat16 products in a scalar loop, 340x slower; llamarl/models/precision.py), resolved
+    # when the recipe is loaded.
+    dtype: str = "float32"  # float32 | bfloat16 | float16 | auto
     # The trainer's attention (policy, reference, critic): sdpa | eager | flash_attention_2
     # (GPU, flash-attn installed: packed micro-batches without cross-sequence compute) |
     # flex_attention. docs/trainer.md.
@@ -436,7 +439,7 @@ class Config:
 BUILTIN_REWARDS = ("reverse_match", "exact_match", "gsm8k", "numeric", "boxed", "format")
 
 _CHOICES = {
-    "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.dtype": ("float32", "bfloat16", "float16", "auto"),
     "generator.mode": ("batch", "continuous"),
     "sync.engine_loss": ("continue", "stop"),
     "sync.weight_groups": ("auto", "shared", "pairs"),
@@ -878,7 +881,10 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] = ()) -> 
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ValueError(_one_line(e)) from None
-    return validate(cfg)
+    cfg = validate(cfg)
+    from llamarl.models.precision import resolve_dtype  # (imports torch)
+    cfg.model.dtype = resolve_dtype(cfg.model.dtype)  # auto -> this host's: every reader after
+    return cfg
 
 
 def _one_line(e: OmegaConfBaseException) -> str:

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, child_env, complete_rows, rank_line, torchrun
 
+from llamarl.models import precision
+
 pytestmark = pytest.mark.slow
 RECIPE = "recipes/tiny_grpo_cpu.yaml"
 SMALL = ["generator.prompts_per_step=8", "data.eval_prompts=16", "run.eval_every=2"]
@@ -46,6 +48,9 @@ def test_launch_writes_the_run_directory(finished_run):
     run, proc, _ = finished_run
     assert f"run directory: {run}" in proc.stdout
     assert "held-out reward" in proc.stderr and "before" in proc.stderr
+    # a bfloat16 this CPU runs in torch's scalar loop is named once (models/precision.py)
+    slow = not (precision.has_gpu() or precision.cpu_bfloat16_is_fast())
+    assert proc.stderr.count("model.dtype=bfloat16 on a CPU without") == int(slow)
     assert (run / "recipe.yaml").read_text().strip()
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]

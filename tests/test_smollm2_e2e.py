@@ -17,6 +17,8 @@ import sys
 import pytest
 from conftest import ROOT, child_env
 
+from llamarl.models.precision import resolve_dtype
+
 pytestmark = pytest.mark.slow
 RECIPE = "recipes/smollm2_add_cpu.yaml"
 SMALL = ["run.steps=2", "run.eval_every=0", "generator.prompts_per_step=4",
@@ -110,7 +112,8 @@ def test_exported_policy_greedy_agrees_in_transformers_and_vllm(finished_run):
     run, _ = finished_run
     policy = run / "policy"
     config = json.loads((policy / "config.json").read_text())
-    assert config["dtype"] == "bfloat16" and "quantization_config" not in config
+    # the recipe's model.dtype = auto: bfloat16 where this CPU has its products, else float32
+    assert config["dtype"] == resolve_dtype("auto") and "quantization_config" not in config
     check = subprocess.run([sys.executable, "-m", "llamarl.models.check", str(policy)],
                            cwd=ROOT, env=child_env(), capture_output=True, text=True,
                            timeout=600)

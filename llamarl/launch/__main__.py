@@ -145,6 +145,11 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(SILENT_RANK_GRACE_S)
         return 2
 
+    if env.local_rank == 0 and not joining:  # a half precision this host runs slowly
+        from llamarl.models.precision import slow_dtype_warning
+        if (warning := slow_dtype_warning(cfg.model.dtype)) is not None:
+            say(warning)
+
     # Each rank's GPU(s), before anything touches CUDA (launch/gpus.py: vLLM would put every
     # engine on cuda:0)
     from llamarl.launch.gpus import apply_placement
