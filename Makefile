@@ -66,6 +66,7 @@ bench: install
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 1 bench/trainer_throughput.py --model tiny
 	$(PY) bench/micro_batch_order.py
 	$(PY) bench/micro_batch_order.py --workload gen24m
+	$(PY) bench/cpu_dtype_matmul.py
 	$(PY) bench/cpu_half_attention.py
 	$(PY) bench/cpu_half_attention.py --workload gen24m
 	$(PY) bench/trainer_throughput.py --compare --model 32k --mixed --seqs 64 --micro-batch 8 --prompt-len 64 --completion-len 512 --repeats 2

@@ -422,8 +422,10 @@ def merge(paths: list[str], workload: str = "tiny") -> dict:
 
 
 def smollm2_workload(args, env) -> dict:
-    """recipes/smollm2_add_cpu.yaml against TRL on the same prompts, reward and settings (TRL
-    in bf16 autocast), one after the other per seed."""
+    """recipes/smollm2_add_cpu.yaml against TRL on the same prompts, reward and settings, one
+    after the other per seed. TRL in bf16 autocast where the recipe's model.dtype (auto)
+    resolves to bfloat16, in float32 where it resolves to float32 (an AVX2-only CPU, whose
+    bfloat16 products are 7-300x slower: llamarl/models/precision.py)."""
     from llamarl.config import load_config
     from llamarl.models.smollm2 import ensure_smollm2
     from llamarl.rewards.verifiers import numeric
@@ -448,7 +450,8 @@ def smollm2_workload(args, env) -> dict:
             t0 = time.time()
             trl = run_trl(model, seed, cfg.run.steps, cfg.run.eval_every, g.prompts_per_step,
                           g.samples_per_prompt, g.max_new_tokens, cfg.trainer.lr,
-                          cfg.trainer.warmup_steps, Path(tmp) / "trl", cfg.data, bf16=True,
+                          cfg.trainer.warmup_steps, Path(tmp) / "trl", cfg.data,
+                          bf16=cfg.model.dtype == "bfloat16",
                           reward_fn=numeric, eval_samples=cfg.data.eval_samples_per_prompt,
                           thresholds=th)
             results["trl"].append({**trl, "seed": seed})

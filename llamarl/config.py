@@ -81,7 +81,7 @@ class ModelConfig:
     # precision) and the exported policy. The trainer's own copy of the weights, its gradients
     # and AdamW's state are in trainer.master_dtype. auto: bfloat16 on a GPU host or a CPU
     # with fast bfloat16 products (AVX-512, AMX, Arm BF16), else float32 (an AVX2-only CPU runs
-    # bfloat16 products in a scalar loop, 340x slower; llamarl/models/precision.py), resolved
+    # bfloat16 products in a fallback loop, 7-300x slower; llamarl/models/precision.py), resolved
     # when the recipe is loaded.
     dtype: str = "float32"  # float32 | bfloat16 | float16 | auto
     # The trainer's attention (policy, reference, critic): sdpa | eager | flash_attention_2

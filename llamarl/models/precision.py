@@ -4,12 +4,13 @@ that the host cannot run fast.
 On a CPU, torch's bfloat16 matrix products are fast only through oneDNN, which needs AVX-512
 (emulated bfloat16, avx512_core), AVX-512 BF16 or AMX on x86, or BF16 on Arm
 (torch.ops.mkldnn._is_mkldnn_bf16_supported). Elsewhere, an AVX2-only x86 such as AMD's
-Zen 2/3 EPYCs, they fall back to a scalar loop. Measured on such a 2-core EPYC (torch 2.13,
-2 threads; docs/measured.md): a 2048-square product took 60 s in bfloat16 against 0.18 s in
-float32 (340x), and SmolLM2's LM-head gradient (a [49152, 341] x [341, 576] product) 5 s
-against 0.19 s; a bfloat16 update of recipes/smollm2_add_cpu.yaml did not finish its first
-micro-batch in 7 minutes. float32 is then the fast dtype, and on such a CPU also the better
-learner per step (docs/measured.md, the precision experiment).
+Zen 2/3 EPYCs, they fall back to a generic loop. Measured on such a 2-core EPYC (torch 2.13,
+2 threads; bench/cpu_dtype_matmul.py, docs/measured.md): against float32, a 2048-square
+product 300x slower (61 s against 0.20 s), SmolLM2's LM-head weight gradient ([49152, 341] x
+[341, 576]) 20x, an MLP's input gradient 79x, its forward 7x; a bfloat16 update of
+recipes/smollm2_add_cpu.yaml did not finish its first micro-batch in 7 minutes, where the
+float32 update takes 35-50 s. float32 is then the fast dtype, and it also learns more per
+step (docs/measured.md, the precision experiment).
 
 `auto` resolves once per process, when the recipe is loaded (config.load_config), so every
 later reader sees a concrete dtype, and the run directory's recipe.yaml records it (a resume
@@ -55,5 +56,5 @@ def slow_dtype_warning(dtype: str) -> str | None:
         return None
     return (f"llamarl: warning: model.dtype={dtype} on a CPU without {dtype} matrix products "
             f"({torch.backends.cpu.get_cpu_capability()}, no AVX-512 or AMX): torch runs them "
-            "in a scalar loop, up to 340x slower than float32 on such a CPU; set model.dtype=auto "
+            "in a fallback loop, 7-300x slower than float32 on such a CPU; set model.dtype=auto "
             "(float32 on this CPU) or float32")
