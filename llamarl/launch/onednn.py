@@ -1,7 +1,9 @@
 """A bound on oneDNN's primitive cache, so that a CPU rank's memory stops growing with every
 new tensor shape.
 
-On CPU, torch runs bfloat16 matmuls through oneDNN, which keeps every primitive it creates (the
+On CPU, torch runs bfloat16 matmuls through oneDNN (where the CPU has AVX-512, AMX or Arm
+BF16: an AVX2-only CPU runs them in a slow fallback with no cache, llamarl/models/precision.py,
+and model.dtype = auto picks float32 there), which keeps every primitive it creates (the
 JIT-compiled kernel and its descriptors, keyed by shapes) in a process-wide cache of
 ONEDNN_PRIMITIVE_CACHE_CAPACITY entries, 1024 by default. An RL update sees new shapes at every
 step (each micro-batch is as long as its longest sequence), so the cache keeps filling for
