@@ -48,7 +48,7 @@ def test_launch_writes_the_run_directory(finished_run):
     run, proc, _ = finished_run
     assert f"run directory: {run}" in proc.stdout
     assert "held-out reward" in proc.stderr and "before" in proc.stderr
-    # a bfloat16 this CPU runs in torch's scalar loop is named once (models/precision.py)
+    # a bfloat16 this CPU runs in torch's fallback loop is named once (models/precision.py)
     slow = not (precision.has_gpu() or precision.cpu_bfloat16_is_fast())
     assert proc.stderr.count("model.dtype=bfloat16 on a CPU without") == int(slow)
     assert (run / "recipe.yaml").read_text().strip()
