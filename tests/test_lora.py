@@ -258,10 +258,14 @@ def test_export_greedy_agrees_in_transformers_and_vllm(two_ranks, tmp_path):
            for m in (base, out)]
     assert max(abs(a - b) for a, b in zip(*lps)) > 10 * LOGPROB_TOL, lps
     args = [str(out)] if two_ranks["extra"] else [base, "--adapter", str(out / "adapter")]
+    tmp = tmp_path / "tmp"  # (the check leaves nothing there: vLLM's FileStore is removed)
+    tmp.mkdir()
     check = subprocess.run([sys.executable, "-m", "llamarl.models.check", *args], cwd=ROOT,
-                           env=child_env(), capture_output=True, text=True, timeout=600)
+                           env=child_env(TMPDIR=tmp), capture_output=True, text=True,
+                           timeout=600)
     assert check.returncode == 0, check.stdout[-2000:] + check.stderr[-3000:]
     assert "greedy generation agrees" in check.stdout
+    assert not list(tmp.glob("vllm_dist_*")), list(tmp.iterdir())
 
 
 def test_a_frozen_base_kept_in_the_compute_dtype_takes_the_same_update(two_ranks):

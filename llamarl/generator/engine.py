@@ -117,7 +117,7 @@ def _sampled_logprobs(ids: list[int], logprobs) -> list[float]:
 
 
 @contextlib.contextmanager
-def _file_store_removed():
+def file_store_removed():
     """vLLM's single-process executor (a tp = 1 engine) meets its one-rank process group
     through a c10d FileStore, `vllm_dist_<uuid>` in the temporary directory, and never removes
     it: every engine start left a file there (about 100 per test-suite run). Note the path
@@ -332,7 +332,7 @@ class Engine:
         self.commands: EngineCommands | None = None
         self._in_command = False
         try:
-            with _file_store_removed():
+            with file_store_removed():
                 self.llm = LLM(
                     model=model_path, dtype=dtype, seed=seed, tensor_parallel_size=cfg.tp,
                     max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager,

@@ -104,8 +104,11 @@ def check(model_dir: str, max_tokens: int = 12, adapter: str | None = None) -> s
     # (a small model's positions may stop early: the tiny model's at 128)
     length = min(512, getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings",
                               512))
-    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=length,
-              max_num_seqs=len(prompts), seed=0, **memory, **engine_args)
+    from llamarl.generator.engine import file_store_removed
+
+    with file_store_removed():  # (vLLM leaves its one-rank FileStore in /tmp otherwise)
+        llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=length,
+                  max_num_seqs=len(prompts), seed=0, **memory, **engine_args)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                         SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                                        logprobs=0),
