@@ -153,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     # Each rank's GPU(s), before anything touches CUDA (launch/gpus.py: vLLM would put every
     # engine on cuda:0)
     from llamarl.launch.gpus import apply_placement
-    apply_placement(layout, env.rank, env.local_rank)
+    if apply_placement(layout, env.rank, env.local_rank) is None:  # a CPU rank
+        from llamarl.launch.allocator import keep_freed_memory
+        keep_freed_memory()  # large tensors reuse freed memory, not fresh pages (allocator.py)
 
     if not joining:
         from llamarl.launch.supervisor import supervise, wants_supervisor
