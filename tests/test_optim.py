@@ -1,5 +1,6 @@
-"""The optimizer's kernel: fused AdamW on a GPU, multi-tensor elsewhere, and a resume keeps the
-resuming run's choice (an optimizer's state dict carries the saving run's flags)."""
+"""The optimizer's kernel: fused AdamW on a GPU and a CPU (the same update as the multi-tensor
+one to float rounding), and a resume keeps the resuming run's choice (an optimizer's state dict
+carries the saving run's flags)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,26 @@ from llamarl.trainer.checkpoint import _kernel_kept
 from llamarl.trainer.optim import build_optimizer
 
 
-def test_cpu_parameters_get_the_multi_tensor_adamw():
-    model = torch.nn.Linear(4, 4)
-    opt, _ = build_optimizer(model, load_config(None, []).trainer, 10)
-    assert opt.param_groups[0]["foreach"] is True and not opt.param_groups[0]["fused"]
+def test_cpu_parameters_get_the_fused_adamw_with_the_multi_tensor_update():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    reference = torch.nn.Linear(64, 32)
+    reference.load_state_dict(model.state_dict())
+    initial = model.weight.detach().clone()
+    cfg = load_config(None, []).trainer
+    opt, _ = build_optimizer(model, cfg, 10)
+    assert opt.param_groups[0]["fused"] is True and not opt.param_groups[0]["foreach"]
+    multi = torch.optim.AdamW(reference.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
+                              weight_decay=cfg.weight_decay, foreach=True)
+    for _ in range(5):
+        x = torch.randn(8, 64)
+        for m, o in ((model, opt), (reference, multi)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert (model.weight - initial).abs().max() > 2 * cfg.lr  # five steps of up to about lr
 
 
 def test_loading_a_state_keeps_this_runs_kernel():

@@ -18,6 +18,8 @@ float16 offset is exact in float32); the directory is written atomically.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from pathlib import Path
 
 
@@ -32,7 +34,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     gguf_path = Path(gguf_path)
     where, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
+    with _no_tensor_progress_bar():
+        model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the weights written are plain float32
@@ -42,3 +45,23 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     config.pad_token_id = tokenizer.pad_token_id
     state = {k: v.detach().to(torch.float32) for k, v in model.state_dict().items()}
     save_hf_dir(Path(out_dir), state, config, tokenizer)
+
+
+@contextlib.contextmanager
+def _no_tensor_progress_bar():
+    """transformers draws a carriage-return progress bar over the GGUF's tensors ("Converting
+    and de-quantizing GGUF tensors...", a second or two): in a rank's log, one line of 15
+    redraws. The caller's own line (models/smollm2.py: "converting ...") says what happens,
+    so the bar is drawn disabled; a transformers without that module attribute is left as
+    it is."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is None:
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
