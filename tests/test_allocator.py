@@ -5,6 +5,7 @@ user's own setting or preloaded allocator is kept."""
 from __future__ import annotations
 
 import json
+import platform
 import subprocess
 import sys
 
@@ -43,7 +44,7 @@ def _probe(mode: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="glibc's malloc only")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
 def test_large_tensors_reuse_freed_memory():
     default, kept = _probe("default"), _probe("keep")
     pages = 4 * 64 * 2**20 // 4096  # what 4 fresh 64 MiB blocks fault in, at 4 KiB a page
