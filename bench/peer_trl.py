@@ -144,10 +144,13 @@ def llamarl_summary(run: Path, thresholds=THRESHOLDS["tiny"]) -> dict:
     eval_s = {e["step"]: e["eval_s"] for e in evals}
     curve = [(e["step"], e["reward_mean"]) for e in evals]
     # The engine evaluates right after loading the weights of step s, before it samples batch
-    # s + 1: on-policy that time sits in the trainer's wait for batch s + 1.
+    # s + 1: on-policy that time sits in the trainer's wait for batch s + 1, step 0's in step
+    # 1's. Step 0's evaluation is never training time (TRL's runs before its clock starts);
+    # the later ones count only `with_evals`, as TRL's do.
     def train_time(upto: int, with_evals: bool) -> float:
         t = sum(v for k, v in step_s.items() if k <= upto)
-        return t if with_evals else t - sum(v for k, v in eval_s.items() if 0 < k < upto)
+        return t - sum(v for k, v in eval_s.items()
+                       if k < upto and (k == 0 or not with_evals))
     later = rows[1:] or rows  # (step 1 also pays the first compilations and allocations)
     return summary(curve, train_time, list(step_s.values()), thresholds,
                    gen_tok_s=statistics.median(r["tokens_generated"] / r["generate_s"]
