@@ -44,3 +44,10 @@ def test_evaluations_are_not_training_time(peer_trl, tmp_path):
     assert out["time_to_0.5"] == pytest.approx(40.0)  # the four steps alone
     assert out["time_to_0.5_with_evals"] == pytest.approx(42.0)  # + step 2's evaluation
     assert dict(out["train_time_at"]) == pytest.approx({0: 0.0, 2: 20.0, 4: 40.0})
+
+
+def test_trl_evaluation_draws_a_stream_per_seed(peer_trl):
+    # every (seed, step) of a 30-step, 5-seed comparison its own stream; seed 0 the old one
+    seeds = {peer_trl.trl_eval_seed(seed, step) for seed in range(5) for step in range(31)}
+    assert len(seeds) == 5 * 31
+    assert [peer_trl.trl_eval_seed(0, s) for s in (0, 5, 20)] == [7919, 7924, 7939]
