@@ -51,6 +51,25 @@ def compare(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dic
     return out
 
 
+def sample_logprobs(model, prompt: list[int], completion: list[int],
+                    autocast: bool = False) -> torch.Tensor:
+    """log pi(y_t) of each completion token [len(completion)], float32 softmax over the model's
+    logits (under bf16 autocast when `autocast`); differentiable where grad is enabled."""
+    full = torch.tensor([prompt + completion])
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = model(full).logits[0, len(prompt) - 1:-1]
+    return torch.log_softmax(logits.float(), -1).gather(
+        -1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def grpo_advantages(R, G, C, cfg) -> torch.Tensor:
+    """The recipe's per-sample GRPO advantages [B] (llamarl's own estimator)."""
+    from llamarl.algorithms.advantages import compute_advantages
+    return compute_advantages("grpo", torch.tensor(R), torch.tensor(G),
+                              torch.tensor([len(c) for c in C]), cfg.algorithm.adv_eps,
+                              lambda t: t)
+
+
 @torch.no_grad()
 def completion_logprobs(model, P, C, precision: str) -> list[torch.Tensor]:
     """Each sample's completion-token logprobs [len(C[j])] under `precision`: float32,
@@ -61,13 +80,7 @@ def completion_logprobs(model, P, C, precision: str) -> list[torch.Tensor]:
     if precision == "bfloat16":
         import copy
         m = copy.deepcopy(model).to(torch.bfloat16)
-    out = []
-    for p, c in zip(P, C):
-        full = torch.tensor([p + c])
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast"):
-            logits = m(full).logits[0, len(p) - 1:-1]
-        out.append(torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(c)[:, None])[:, 0])
-    return out
+    return [sample_logprobs(m, p, c, precision == "autocast") for p, c in zip(P, C)]
 
 
 @torch.no_grad()
@@ -77,10 +90,7 @@ def realized_change(model, grad, P, C, R, G, cfg) -> dict:
     sees it: per token d_t = log pi_{w'}(y_t) - log pi_w(y_t), compared with float32's d by
     cosine and by the surrogate gain sum_t A_t d_t / tokens (what the step buys on this
     batch's objective, to first order)."""
-    from llamarl.algorithms.advantages import compute_advantages
-    adv = compute_advantages("grpo", torch.tensor(R), torch.tensor(G),
-                             torch.tensor([len(c) for c in C]), cfg.algorithm.adv_eps,
-                             lambda t: t)
+    adv = grpo_advantages(R, G, C, cfg)
     a_tok = torch.cat([torch.full((len(c),), float(adv[j])) for j, c in enumerate(C)])
     n_tok = a_tok.numel()
     params = dict(model.named_parameters())
@@ -157,10 +167,8 @@ def main() -> None:
                                      pad_token_id=tok.pad_token_id)
         for row in out[:, ids.shape[1]:].tolist():
             comp = row[:row.index(eos) + 1] if eos in row else row
-            full = torch.tensor([pr.token_ids + comp])
             with torch.no_grad():
-                logits = ref_model(full).logits[0, len(pr.token_ids) - 1:-1].float()
-            lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(comp)[:, None])[:, 0]
+                lp = sample_logprobs(ref_model, pr.token_ids, comp)
             P.append(pr.token_ids)
             C.append(comp)
             LP.append(lp.tolist())
@@ -173,19 +181,12 @@ def main() -> None:
 
     # -- the reference loss, as the recipe defines it (ratio 1 at the behaviour policy) --
     def hf_grads(model, autocast: bool) -> tuple[dict, float]:
-        from llamarl.algorithms.advantages import compute_advantages
         model.zero_grad(set_to_none=True)
-        adv = compute_advantages("grpo", torch.tensor(R), torch.tensor(G),
-                                 torch.tensor([len(c) for c in C]), cfg.algorithm.adv_eps,
-                                 lambda t: t)
+        adv = grpo_advantages(R, G, C, cfg)
         n_tok = sum(map(len, C))
         total = 0.0
         for j in range(len(C)):
-            full = torch.tensor([P[j] + C[j]])
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                logits = model(full).logits[0, len(P[j]) - 1:-1]
-            lp = torch.log_softmax(logits.float(), -1).gather(
-                -1, torch.tensor(C[j])[:, None])[:, 0]
+            lp = sample_logprobs(model, P[j], C[j], autocast)
             ratio = torch.exp(lp - torch.tensor(LP[j]))
             eps = cfg.algorithm.clip_eps
             loss = -torch.minimum(ratio * adv[j], ratio.clamp(1 - eps, 1 + eps) * adv[j]).sum()

@@ -65,7 +65,7 @@ def score_hf(policy: str, recipe: str, samples: int, seeds: list[int],
              autocast: bool) -> list[float]:
     """bench/peer_trl.py's Clock.evaluate, for --samples and each seed."""
     import torch
-    from peer_trl import left_padded  # (bench/: the script's own directory)
+    from peer_trl import left_padded, trl_eval_seed  # (bench/: the script's own directory)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from llamarl.data.prompts import PromptFormatter
@@ -80,7 +80,7 @@ def score_hf(policy: str, recipe: str, samples: int, seeds: list[int],
     width = inp.shape[1]
     out = []
     for seed in seeds:
-        torch.manual_seed(7919 + seed)
+        torch.manual_seed(trl_eval_seed(0, seed))  # seed s: TRL's seed-0 stream of step s
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             gen = model.generate(input_ids=inp, attention_mask=mask, do_sample=True,
                                  temperature=cfg.generator.temperature, top_p=1.0, top_k=0,
