@@ -130,7 +130,7 @@ def main() -> None:
     from llamarl.config import load_config
     from llamarl.data.dataset import load_prompt_data
     from llamarl.data.prompts import PromptFormatter
-    from llamarl.launch.allocator import keep_freed_memory
+    from llamarl.runtime.allocator import keep_freed_memory
     from llamarl.models.smollm2 import ensure_smollm2
     from llamarl.parallel.fsdp import apply_fsdp, trainer_options
     from llamarl.rewards.registry import resolve_builtin

@@ -266,8 +266,8 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    else:  # as `python -m llamarl.launch` sets every CPU rank (launch/allocator.py)
-        from llamarl.launch.allocator import keep_freed_memory
+    else:  # as `python -m llamarl.launch` sets every CPU rank (runtime/allocator.py)
+        from llamarl.runtime.allocator import keep_freed_memory
         keep_freed_memory()
     dist.init_process_group(TRAINER_BACKEND["cuda" if cuda else "cpu"])
     rank, world = dist.get_rank(), dist.get_world_size()

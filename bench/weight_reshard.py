@@ -82,9 +82,9 @@ def main() -> None:
 
 def worker(args) -> None:
     from llamarl.config import load_config
-    from llamarl.launch.dist_env import from_environ
-    from llamarl.launch.layout import compute_layout
-    from llamarl.launch.runtime import setup
+    from llamarl.runtime.dist_env import from_environ
+    from llamarl.runtime.layout import compute_layout
+    from llamarl.runtime.setup import setup
 
     env = from_environ()
     cfg = load_config(None, ["model.path=tiny:reverse", "generator.tp=2",

@@ -74,9 +74,9 @@ def build_model_dir(kind: str) -> str:
 
 def main() -> None:
     from llamarl.config import load_config
-    from llamarl.launch.dist_env import from_environ
-    from llamarl.launch.layout import compute_layout
-    from llamarl.launch.runtime import setup
+    from llamarl.runtime.dist_env import from_environ
+    from llamarl.runtime.layout import compute_layout
+    from llamarl.runtime.setup import setup
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="tiny", choices=["tiny", "100m"])

@@ -139,7 +139,7 @@ class TrainerConfig:
     grad_clip: float = 1.0
     warmup_steps: int = 0
     lr_schedule: str = "constant"  # constant | cosine
-    # torch intra-op threads per trainer rank on CPU; 0 = auto (llamarl/launch/cores.py: with
+    # torch intra-op threads per trainer rank on CPU; 0 = auto (llamarl/runtime/cores.py: with
     # max_staleness 0 the trainers share the host's cores while the engines wait, and the
     # other way round; with overlap every local rank gets an equal share)
     threads: int = 0
@@ -399,7 +399,7 @@ class SyncConfig:
     timeout_s: float = 1800.0  # longest a collective may block (a dead peer is found sooner)
     dead_peer_s: float = 30.0  # a rank silent this long is declared dead
     # A lost engine (its process or node gone), with others left: `continue` without it (its
-    # prompts and batches go to the others, launch/roster.py) or `stop` the job. Engines on
+    # prompts and batches go to the others, runtime/roster.py) or `stop` the job. Engines on
     # CPU (gloo) with sync.transport torch or filesystem, and engines on GPU (NCCL) on one
     # node with sync.transport filesystem, or torch with sync.weight_groups pairs (auto), in
     # batch or continuous mode, continue (one of

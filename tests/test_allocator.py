@@ -1,4 +1,4 @@
-"""A CPU rank's malloc keeps freed memory for reuse (launch/allocator.py): a large tensor made
+"""A CPU rank's malloc keeps freed memory for reuse (runtime/allocator.py): a large tensor made
 again and again faults its pages in once, not every time; children inherit the setting; a
 user's own setting or preloaded allocator is kept."""
 
@@ -12,7 +12,7 @@ import sys
 import pytest
 from conftest import ROOT, child_env
 
-from llamarl.launch import allocator
+from llamarl.runtime import allocator
 
 # Minor page faults of 4 rounds of a 64 MiB tensor made, written and freed, after 20 rounds to
 # warm up (torch asks glibc for 64-byte aligned blocks, a little more than a freed block of the
@@ -21,7 +21,7 @@ from llamarl.launch import allocator
 PROBE = """
 import json, os, resource, sys
 import torch
-from llamarl.launch.allocator import keep_freed_memory
+from llamarl.runtime.allocator import keep_freed_memory
 kept = keep_freed_memory() if sys.argv[1] == "keep" else None
 for _ in range(20):
     torch.empty(16 * 2**20).fill_(1.0)

@@ -297,7 +297,7 @@ def test_setup_failure_on_rank_0_is_one_line_on_every_rank(override, expected):
     assert f"rank 0: error: {expected}" in proc.stderr, proc.stderr[-3000:]
     # the peers stop naming the cause, not "rank 0 died"
     assert f"stopping: rank 0 (trainer 0): {expected[:40]}" in proc.stderr, proc.stderr[-3000:]
-    assert "llamarl/launch/runtime.py" not in proc.stderr  # no traceback of ours
+    assert "llamarl/runtime/setup.py" not in proc.stderr  # no traceback of ours
     assert time.monotonic() - t0 < 60
 
 

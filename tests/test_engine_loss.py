@@ -1,4 +1,4 @@
-"""Losing an engine is not losing the job (sync.engine_loss=continue, launch/roster.py): an
+"""Losing an engine is not losing the job (sync.engine_loss=continue, runtime/roster.py): an
 srun-style launch (one process per rank, as Slurm starts them: no agent kills the others) of
 1 trainer + 2 engines, engine 1 SIGKILLed mid-run, then replaced with --join."""
 

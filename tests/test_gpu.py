@@ -49,7 +49,7 @@ def test_two_gpu_nccl_update_matches_one_gpu(tmp_path, tiny_model_dir):
 
 @pytest.mark.skipif(gpus() < 1, reason="needs a CUDA GPU")
 def test_gpu_visibility_set_after_counting_the_gpus_takes_effect():
-    """launch/gpus.py counts the node's GPUs (torch.cuda.device_count, through NVML) and then
+    """runtime/gpus.py counts the node's GPUs (torch.cuda.device_count, through NVML) and then
     sets CUDA_VISIBLE_DEVICES: counting must not have started CUDA, or the setting would be
     ignored. Hiding every GPU after counting must leave the process none."""
     import subprocess
@@ -58,7 +58,7 @@ def test_gpu_visibility_set_after_counting_the_gpus_takes_effect():
     from conftest import ROOT, child_env
 
     code = ("import os, torch\n"
-            "from llamarl.launch.gpus import node_gpus\n"
+            "from llamarl.runtime.gpus import node_gpus\n"
             "n = len(node_gpus(os.environ))\n"
             "os.environ['CUDA_VISIBLE_DEVICES'] = ''\n"
             "print(n, torch.cuda.is_available())\n")

@@ -26,8 +26,8 @@ from llamarl.generator.gpu_memory import (
     sync_need_bytes,
 )
 from llamarl.generator.kv_cache import kv_bytes_per_token, sequence_bytes
-from llamarl.launch.gpus import GPU_INDEX_ENV, VISIBLE, apply_placement
-from llamarl.launch.layout import compute_layout
+from llamarl.runtime.gpus import GPU_INDEX_ENV, VISIBLE, apply_placement
+from llamarl.runtime.layout import compute_layout
 from llamarl.parallel.weight_plan import TensorMeta
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,7 +99,7 @@ def vllm_device(tp: int, environ: dict) -> str:
 
 
 def generator_env(layout, rank: int, local_rank: int, node_visible: str) -> tuple[dict, object]:
-    """The environment a generator rank hands vLLM: launch/gpus.py's placement, then
+    """The environment a generator rank hands vLLM: runtime/gpus.py's placement, then
     engine.prepare_environment (tp 1 drops LOCAL_RANK; tp > 1 sets it to the EngineWorld's
     local rank, which generator/loop.py takes from the rank's device index)."""
     env = {VISIBLE: node_visible}
@@ -364,7 +364,7 @@ def test_a_placed_replacements_tp_ranks_each_take_their_own_gpu(monkeypatch):
     import subprocess
 
     from llamarl.launch import join
-    from llamarl.launch.dist_env import DistEnv
+    from llamarl.runtime.dist_env import DistEnv
 
     started = []
     monkeypatch.setattr(subprocess, "Popen", lambda cmd, env, **kw: started.append(env))

@@ -7,7 +7,7 @@ from conftest import ROOT, child_env
 
 WRITER = """
 import sys, time
-from llamarl.launch.watchdog import say
+from llamarl.runtime.watchdog import say
 who, start = sys.argv[1], float(sys.argv[2])
 time.sleep(max(0.0, start - time.time()))  # all start writing at once
 for i in range(2000):

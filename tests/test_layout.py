@@ -1,7 +1,7 @@
 import pytest
 
-from llamarl.launch.dist_env import _first_host, from_environ
-from llamarl.launch.layout import compute_layout
+from llamarl.runtime.dist_env import _first_host, from_environ
+from llamarl.runtime.layout import compute_layout
 
 
 def test_default_layout_roles():

@@ -1,4 +1,4 @@
-"""The launcher's bound on oneDNN's primitive cache (launch/onednn.py) takes effect in a rank
+"""The launcher's bound on oneDNN's primitive cache (runtime/onednn.py) takes effect in a rank
 that sets it after importing torch, and a value the user set is kept."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import pytest
 from conftest import ROOT, child_env
 
-from llamarl.launch.onednn import PRIMITIVE_CACHE_CAPACITY, PRIMITIVE_CACHE_ENV, cap_primitive_cache
+from llamarl.runtime.onednn import PRIMITIVE_CACHE_CAPACITY, PRIMITIVE_CACHE_ENV, cap_primitive_cache
 from llamarl.models.precision import cpu_bfloat16_is_fast
 
 # One bfloat16 matmul shape, then more other shapes than the bound, then the first again:
@@ -19,7 +19,7 @@ from llamarl.models.precision import cpu_bfloat16_is_fast
 PROBE = f"""
 import sys
 import torch
-from llamarl.launch.onednn import cap_primitive_cache
+from llamarl.runtime.onednn import cap_primitive_cache
 if sys.argv[1] == "cap":
     cap_primitive_cache()  # after importing torch, before the first bfloat16 matmul
 torch.set_num_threads(1)

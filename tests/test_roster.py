@@ -1,4 +1,4 @@
-"""The roster of live engines and slot owners (launch/roster.py) on a real TCPStore, and the
+"""The roster of live engines and slot owners (runtime/roster.py) on a real TCPStore, and the
 watchdog's excuse for a lost engine (the job goes on) against its failure for a lost trainer."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from llamarl.config import load_config
-from llamarl.launch.layout import compute_layout
-from llamarl.launch.roster import Roster
-from llamarl.launch.runtime import engine_loss_excuse, free_port, survives_engine_loss
+from llamarl.runtime.layout import compute_layout
+from llamarl.runtime.roster import Roster
+from llamarl.runtime.setup import engine_loss_excuse, free_port, survives_engine_loss
 
 
 @pytest.fixture
@@ -94,7 +94,7 @@ def test_which_jobs_survive_an_engine_loss():
                                     compute_layout(4, 2, 2, 2, 1), cuda)
     assert not survives_engine_loss(_cfg("generator.engines=1"), compute_layout(3, 3, 2, 1, 1),
                                     cpu)
-    # an engine of tp 2 is lost whole (its other rank leaves with it: launch/watchdog.py)
+    # an engine of tp 2 is lost whole (its other rank leaves with it: runtime/watchdog.py)
     assert survives_engine_loss(_cfg("generator.tp=2"), compute_layout(6, 6, 2, 2, 2), cpu)
 
 
@@ -103,8 +103,8 @@ def test_an_engine_of_two_ranks_is_excused_once_both_are_gone(store, capsys):
     4 dead waits (pending) until rank 3 is gone too, then drops engine 1 whole; the other rank
     of the dead one's engine leaves the job rather than declare it; with one engine left, a
     loss fails the job."""
-    from llamarl.launch.runtime import engine_loss_allowed
-    from llamarl.launch.watchdog import Watchdog
+    from llamarl.runtime.setup import engine_loss_allowed
+    from llamarl.runtime.watchdog import Watchdog
 
     layout = compute_layout(5, 5, 1, 2, 2)
     cfg, cpu = _cfg("generator.tp=2"), torch.device("cpu")
@@ -191,8 +191,8 @@ def test_a_rank_that_ended_well_does_not_keep_its_engine_pending(store):
     """The leader of engine 1 (rank 3) finished (done/3 = ok) and its other rank dies before
     it says so: nothing of engine 1 runs, so it is declared lost at once (its supervisors
     then end well)."""
-    from llamarl.launch.runtime import engine_loss_allowed
-    from llamarl.launch.watchdog import Watchdog
+    from llamarl.runtime.setup import engine_loss_allowed
+    from llamarl.runtime.watchdog import Watchdog
 
     layout = compute_layout(5, 5, 1, 2, 2)
     cfg, cpu = _cfg("generator.tp=2"), torch.device("cpu")
@@ -246,7 +246,7 @@ def test_join_claims_a_lost_engine_once(store, tmp_path, monkeypatch):
 
 def test_a_lock_left_by_a_dead_holder_is_broken(store):
     """A rank killed while it held the roster lock must not stop every later change."""
-    from llamarl.launch.roster import LOCK
+    from llamarl.runtime.roster import LOCK
 
     store.add(LOCK, 1)  # taken, never given back
     roster = Roster(store, 2)
@@ -263,7 +263,7 @@ def test_a_replacement_whose_job_ends_before_it_is_back_ends_well():
     import subprocess
     import sys
 
-    from llamarl.launch.watchdog import Watchdog
+    from llamarl.runtime.watchdog import Watchdog
     from llamarl.parallel.groups import connect_store
 
     port = free_port()
@@ -313,7 +313,7 @@ def test_a_replacement_is_watched_by_its_new_process_not_its_predecessors(store)
     import socket
     import subprocess
 
-    from llamarl.launch.watchdog import Watchdog
+    from llamarl.runtime.watchdog import Watchdog
 
     layout = compute_layout(3, 3, 1, 2, 1)  # rank 0 trainer, ranks 1-2 engines 0-1
     trainer = Watchdog(lambda: store, 0, layout, 30.0)
@@ -359,7 +359,7 @@ def test_a_replacement_found_dead_before_it_is_back_never_rejoins(store, capsys)
 def test_peek_reads_a_key_without_waiting_or_setting_it(store):
     """watchdog.peek: a check then a get waited sync.timeout_s for a key deleted in between
     (a replacement deletes its done/<rank> while the others' watchdogs start)."""
-    from llamarl.launch.watchdog import peek
+    from llamarl.runtime.watchdog import peek
 
     t0 = time.monotonic()
     assert peek(store, "done/7") is None and not store.check(["done/7"])

@@ -25,8 +25,8 @@ from llamarl.generator.kv_cache import (
     kv_bytes_per_token,
     plan_kv_cache,
 )
-from llamarl.launch.cores import SPIN_ENV, release_cores_promptly, threads_for
-from llamarl.launch.layout import compute_layout
+from llamarl.runtime.cores import SPIN_ENV, release_cores_promptly, threads_for
+from llamarl.runtime.layout import compute_layout
 
 RECIPE = "recipes/tiny_grpo_cpu.yaml"
 
@@ -183,7 +183,7 @@ def _spin_after_parallel_op(env: dict) -> float:
 
 
 def test_idle_openmp_threads_let_go_of_the_core_within_a_few_ms(monkeypatch):
-    """The launcher's spin setting (launch/cores.py) makes torch's OpenMP worker sleep ~1 ms
+    """The launcher's spin setting (runtime/cores.py) makes torch's OpenMP worker sleep ~1 ms
     after its work instead of spinning on the core the other role needs: measured, not only
     set. A value the user set is kept."""
     for key in SPIN_ENV:  # (setenv first: the test's changes are undone after it)

@@ -17,11 +17,11 @@ import torch.distributed as dist
 
 from llamarl.config import load_config
 from llamarl.launch import supervisor
-from llamarl.launch.dist_env import DistEnv
-from llamarl.launch.job_store import job_prefix
+from llamarl.runtime.dist_env import DistEnv
+from llamarl.runtime.job_store import job_prefix
 from llamarl.launch.join import ENGINE_ENV
-from llamarl.launch.layout import compute_layout
-from llamarl.launch.runtime import free_port
+from llamarl.runtime.layout import compute_layout
+from llamarl.runtime.setup import free_port
 
 KILLED = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
 ENDS_WELL = "pass"

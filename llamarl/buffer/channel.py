@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 
 from llamarl.buffer.record import RolloutBatch
-from llamarl.launch.key_sequence import KeySequence
+from llamarl.runtime.key_sequence import KeySequence
 
 POLL_S = 0.002
 ADOPT_GRACE_S = 30.0  # adopt: time for a consumer to finish a batch it popped
@@ -87,7 +87,7 @@ class Channel:
 
     def adopt(self) -> int | None:
         """Producer side, taking over a channel whose producer was lost or let go
-        (launch/roster.py): continue its numbering. Shared memory outlives its writer, so
+        (runtime/roster.py): continue its numbering. Shared memory outlives its writer, so
         every batch published stays to be consumed and the numbering continues after them.
         A transport whose payload dies with its producer asks the consumer (resumed(), see
         dist_channel.py). Returns how many batches the channel has carried, or None until
@@ -202,7 +202,7 @@ def open_channel(rt, engine: int, trainer: int, side: str,
     if rt.layout.node_of(producer) == rt.layout.node_of(consumer):
         return ShmChannel(rt.store, rt.run_id, name, rt.cfg.buffer.capacity, rt.watchdog.check,
                           make_store=rt.new_store if side == "consumer" else None)
-    from llamarl.launch.runtime import survives_engine_loss
+    from llamarl.runtime.setup import survives_engine_loss
 
     # the consumer follows takeovers when engines can be lost (dist_channel.py)
     follow = side == "consumer" and survives_engine_loss(rt.cfg, rt.layout, rt.device)

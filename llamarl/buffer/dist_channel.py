@@ -6,7 +6,7 @@ while the trainer is busy: `put` returns as soon as the descriptor is queued. Se
 receives happen in publication order on one pair, so the i-th descriptor matches the i-th
 payload.
 
-Taking the channel over (launch/roster.py: its producer engine was lost, or hands its slot
+Taking the channel over (runtime/roster.py: its producer engine was lost, or hands its slot
 back to a replacement). A payload lives only in its producer's process, so what a lost producer
 had queued but the trainer had not received is made again; the trainer decides what that is:
   * the new producer names a new pair group in `buf/<channel>/takeover` and waits;

@@ -36,7 +36,7 @@ from llamarl.generator.engine import Completion, sampler_seed
 from llamarl.generator.samples import append_rows, sample_rows
 from llamarl.generator.slots import SlotSet
 from llamarl.generator.weights import fresh_version
-from llamarl.launch.runtime import Runtime
+from llamarl.runtime.setup import Runtime
 from llamarl.rewards.dynamic_sampling import is_informative
 from llamarl.rewards.scorer import ScoredGroup, group_counts, score_groups
 from llamarl.rollout.single_turn import completion_sample

@@ -169,7 +169,7 @@ class EngineWorld:
     master_port: int
     local_rank: int
     shm_prefix: str = ""  # its shared-memory segments' names (cpu_fixes.cpu_shm_prefix)
-    # GPU: this process sees every GPU of its engine (launch/gpus.py); not where Slurm shows
+    # GPU: this process sees every GPU of its engine (runtime/gpus.py); not where Slurm shows
     # each task its own GPU alone, and then vLLM's custom all-reduce (CUDA IPC between the
     # engine's GPUs) cannot work
     peers_visible: bool = True
@@ -186,7 +186,7 @@ def gpu_engine_args(world: EngineWorld | None) -> dict:
     until a GPU run shows it exact.
 
     disable_custom_all_reduce where the engine's tp ranks do not see each other's GPUs (one
-    GPU per Slurm task, launch/gpus.py): vLLM's custom all-reduce maps the peers' buffers by
+    GPU per Slurm task, runtime/gpus.py): vLLM's custom all-reduce maps the peers' buffers by
     CUDA IPC, which needs their devices visible; NCCL's all-reduce does not."""
     args: dict = {"async_scheduling": False}
     if world is not None and not world.peers_visible:

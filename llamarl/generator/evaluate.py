@@ -8,15 +8,15 @@ from collections.abc import Callable
 
 from llamarl.generator.engine import sampler_seed
 from llamarl.generator.samples import append_rows, sample_rows
-from llamarl.launch.roster import Roster
-from llamarl.launch.runtime import Runtime, log
+from llamarl.runtime.roster import Roster
+from llamarl.runtime.setup import Runtime, log
 from llamarl.rollout.source import RolloutSource
 from llamarl.timeline import Timeline
 
 
 class Evaluator:
     """Held-out reward: sampled at the training temperature (the quantity RL maximises) and
-    greedy. Each engine scores the held-out shard of each slot it makes (launch/roster.py:
+    greedy. Each engine scores the held-out shard of each slot it makes (runtime/roster.py:
     its own, and a lost engine's that it took over); the first live engine aggregates and
     appends to eval.jsonl. The reward is the training reward without shaping (no overlong
     penalty) and, with reward.model_placement = trainer, without the reward model (it is not

@@ -1,5 +1,5 @@
 """What third-party code prints in a llamarl rank (mostly a generator's vLLM), kept to lines
-worth reading. Every rank calls quiet_third_party at setup (launch/runtime.py); an engine
+worth reading. Every rank calls quiet_third_party at setup (runtime/setup.py); an engine
 started outside a launch (benchmarks, tests) gets it from engine.import_vllm.
 
 * vLLM's logger: each distinct warning once. Some of its warnings fire on every call of a
@@ -57,7 +57,7 @@ class OncePerMessage(logging.Filter):
 
 
 def quiet_third_party() -> None:
-    """Call before importing vLLM or transformers (every rank: launch/runtime.py setup);
+    """Call before importing vLLM or transformers (every rank: runtime/setup.py setup);
     idempotent."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.reduce_op.*deprecated",

@@ -1,4 +1,4 @@
-"""The slots a generator makes (launch/roster.py): for each, its prompt loader, its held-out
+"""The slots a generator makes (runtime/roster.py): for each, its prompt loader, its held-out
 prompts, its channels to the trainer ranks and the next batch it owes.
 
 An engine starts with its own slot. When another engine is lost and the roster gives this one
@@ -23,9 +23,9 @@ from llamarl.buffer.record import RolloutBatch, split_groups
 from llamarl.data.dataset import PromptData
 from llamarl.data.loader import PromptLoader, shard
 from llamarl.data.prompts import PromptFormatter
-from llamarl.launch.roster import Roster
-from llamarl.launch.runtime import Runtime, log
-from llamarl.launch.watchdog import peek
+from llamarl.runtime.roster import Roster
+from llamarl.runtime.setup import Runtime, log
+from llamarl.runtime.watchdog import peek
 
 
 @dataclass

@@ -21,7 +21,7 @@ The commands travel on a gloo group of the engine's tp ranks (its ranks share a 
 layout checks), on CPU tensors whatever the device. A follower may wait for its next command
 as long as the leader waits for the trainer (a long step, a checkpoint), so the group's timeout
 is long: a dead leader ends the followers through the watchdog, not through this timeout (when
-the job survives losing the engine, they leave it with exit 0: launch/watchdog.py).
+the job survives losing the engine, they leave it with exit 0: runtime/watchdog.py).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 from llamarl.generator.engine import Engine
 from llamarl.generator.evaluate import Evaluator
-from llamarl.launch.key_sequence import KeySequence
-from llamarl.launch.runtime import Runtime
+from llamarl.runtime.key_sequence import KeySequence
+from llamarl.runtime.setup import Runtime
 from llamarl.parallel.weight_sync import announced_version
 from llamarl.timeline import Timeline
 

@@ -14,11 +14,11 @@ import time
 import traceback
 
 from llamarl.config import load_config
-from llamarl.launch.cores import release_cores_promptly
-from llamarl.launch.dist_env import from_environ
-from llamarl.launch.layout import compute_layout
-from llamarl.launch.onednn import cap_primitive_cache
-from llamarl.launch.watchdog import say
+from llamarl.runtime.cores import release_cores_promptly
+from llamarl.runtime.dist_env import from_environ
+from llamarl.runtime.layout import compute_layout
+from llamarl.runtime.onednn import cap_primitive_cache
+from llamarl.runtime.watchdog import say
 
 SILENT_RANK_GRACE_S = 3.0
 
@@ -37,7 +37,7 @@ def self_launch(n_ranks: int, argv: list[str]) -> int:
     llamarl rank ends with one `llamarl: ...` line): its `run` is called instead, and a
     failure ends quietly, with a line of its own only for a rank that died without saying why
     (a signal). OMP_NUM_THREADS=1 is set as torchrun sets it (the ranks choose their threads,
-    launch/cores.py), which spares its banner."""
+    runtime/cores.py), which spares its banner."""
     import logging
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -71,7 +71,7 @@ def self_launch(n_ranks: int, argv: list[str]) -> int:
 def replacement_not_back(rt) -> bool:
     """Whether this replacement engine (launch/join.py) has not rejoined the roster yet (read
     from the store while it is there; `rt.back` remembers it for when it is gone)."""
-    from llamarl.launch.roster import Roster
+    from llamarl.runtime.roster import Roster
 
     if not rt.back:
         try:
@@ -150,11 +150,11 @@ def main(argv: list[str] | None = None) -> int:
         if (warning := slow_dtype_warning(cfg.model.dtype)) is not None:
             say(warning)
 
-    # Each rank's GPU(s), before anything touches CUDA (launch/gpus.py: vLLM would put every
+    # Each rank's GPU(s), before anything touches CUDA (runtime/gpus.py: vLLM would put every
     # engine on cuda:0)
-    from llamarl.launch.gpus import apply_placement
+    from llamarl.runtime.gpus import apply_placement
     if apply_placement(layout, env.rank, env.local_rank) is None:  # a CPU rank
-        from llamarl.launch.allocator import keep_freed_memory
+        from llamarl.runtime.allocator import keep_freed_memory
         keep_freed_memory()  # large tensors reuse freed memory, not fresh pages (allocator.py)
 
     if not joining:
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         if wants_supervisor(cfg, layout, env):  # an engine the job can lose, under torchrun
             return supervise(argv, cfg, layout, env)
 
-    from llamarl.launch.runtime import SetupError, setup  # heavy imports start here
+    from llamarl.runtime.setup import SetupError, setup  # heavy imports start here
 
     try:
         rt = setup(cfg, layout, env, joining=incarnation)

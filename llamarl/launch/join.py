@@ -1,5 +1,5 @@
 """`python -m llamarl.launch --join RUN_DIR [key=value ...]`: start a replacement for a lost
-engine of a running job (launch/roster.py).
+engine of a running job (runtime/roster.py).
 
 The run directory says where the job's store is (`store.json`), its recipe and its layout. The
 replacement claims the first lost engine nobody replaces yet (a supervisor's replacement:
@@ -27,10 +27,10 @@ from pathlib import Path
 import torch.distributed as dist
 
 from llamarl.config import Config, load_config
-from llamarl.launch.dist_env import DistEnv
-from llamarl.launch.job_store import job_prefix
-from llamarl.launch.layout import Layout, compute_layout
-from llamarl.launch.roster import Roster
+from llamarl.runtime.dist_env import DistEnv
+from llamarl.runtime.job_store import job_prefix
+from llamarl.runtime.layout import Layout, compute_layout
+from llamarl.runtime.roster import Roster
 from llamarl.parallel.groups import connect_store
 
 # set for the other tp ranks of a replacement (spawn_tp_ranks): "<engine>:<incarnation>:<tp rank>"
@@ -72,7 +72,7 @@ def plan_join(run_dir: str, overrides: list[str]) -> tuple[Config, Layout, DistE
             raise ValueError(f"--join {run_dir}: no engine of this job is lost (or each lost "
                              f"one is being replaced already): nothing to replace")
     rank = layout.engine_global_ranks(engine)[tp_rank]
-    # the store checks that it is this job's (launch/job_store.py): be that job
+    # the store checks that it is this job's (runtime/job_store.py): be that job
     job, _, step = where["job"].partition(".")
     for key, value in (("SLURM_JOB_ID", job), ("SLURM_STEP_ID", step)):
         if value:
@@ -92,7 +92,7 @@ def spawn_tp_ranks(layout: Layout, env: DistEnv, incarnation: str,
     """On tp rank 0 of a replacement engine of tp > 1: start its other tp ranks (`python -m
     llamarl.launch --join ...` again, told their place by TP_RANK_ENV); each dies with this
     process (PR_SET_PDEATHSIG)."""
-    from llamarl.launch.gpus import GPU_INDEX_ENV, VISIBLE
+    from llamarl.runtime.gpus import GPU_INDEX_ENV, VISIBLE
     from llamarl.launch.supervisor import die_with_parent
 
     role = layout.role_of(env.rank)
@@ -100,7 +100,7 @@ def spawn_tp_ranks(layout: Layout, env: DistEnv, incarnation: str,
     def child_env(k: int) -> dict:
         child = {**os.environ, TP_RANK_ENV: f"{role.index}:{incarnation}:{k}"}
         if GPU_INDEX_ENV in os.environ:  # placed already (a supervisor's child, on GPU):
-            # this process sees the engine's tp GPUs (launch/gpus.py); tp rank k takes GPU k
+            # this process sees the engine's tp GPUs (runtime/gpus.py); tp rank k takes GPU k
             visible = [g for g in os.environ.get(VISIBLE, "").split(",") if g.strip()]
             if len(visible) < layout.tp:
                 raise ValueError(

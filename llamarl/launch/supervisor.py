@@ -2,7 +2,7 @@
 
 torchrun's agent stops every rank of the job the moment one of its workers exits non-zero,
 before llamarl can drop a lost engine and go on without it (sync.engine_loss=continue,
-launch/roster.py). So under torchrun a generator rank of a job that survives engine losses is
+runtime/roster.py). So under torchrun a generator rank of a job that survives engine losses is
 two processes: the supervisor (this module; the process torchrun started and watches, light:
 no vLLM, no model) and the rank itself, its child, which runs `python -m llamarl.launch` as
 before (`LLAMARL_SUPERVISED=1`: it does not supervise itself).
@@ -40,8 +40,8 @@ import sys
 import time
 
 from llamarl.config import Config
-from llamarl.launch.dist_env import DistEnv
-from llamarl.launch.layout import Layout
+from llamarl.runtime.dist_env import DistEnv
+from llamarl.runtime.layout import Layout
 
 SUPERVISED = "LLAMARL_SUPERVISED"
 _PR_SET_PDEATHSIG = 1
@@ -56,7 +56,7 @@ def wants_supervisor(cfg: Config, layout: Layout, env: DistEnv) -> bool:
         return False  # (the cheap part of survives_engine_loss, before importing torch)
     import torch
 
-    from llamarl.launch.runtime import survives_engine_loss
+    from llamarl.runtime.setup import survives_engine_loss
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return survives_engine_loss(cfg, layout, device)
@@ -151,7 +151,7 @@ def _job_store(env: DistEnv):
     """The job's store (prefixed as the ranks use it), or None when it is gone."""
     from torch.distributed import PrefixStore
 
-    from llamarl.launch.job_store import job_prefix
+    from llamarl.runtime.job_store import job_prefix
     from llamarl.parallel.groups import connect_store
 
     try:

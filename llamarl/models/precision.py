@@ -17,7 +17,7 @@ later reader sees a concrete dtype, and the run directory's recipe.yaml records 
 reads the same). Every process of a job on one host resolves it alike; a CPU job spread over
 hosts with different CPUs should name the dtype.
 
-A GPU host (any GPU visible through NVML, which does not initialise CUDA: launch/gpus.py
+A GPU host (any GPU visible through NVML, which does not initialise CUDA: runtime/gpus.py
 places the ranks first) resolves to bfloat16: every GPU llamarl's GPU recipes target has it.
 """
 
@@ -37,7 +37,7 @@ def cpu_bfloat16_is_fast() -> bool:
 
 
 def has_gpu() -> bool:
-    """A GPU is visible (NVML first: CUDA is not initialised, launch/gpus.py)."""
+    """A GPU is visible (NVML first: CUDA is not initialised, runtime/gpus.py)."""
     return torch.cuda.device_count() > 0
 
 

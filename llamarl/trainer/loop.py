@@ -32,9 +32,9 @@ from llamarl.algorithms.registry import ALGORITHMS
 from llamarl.buffer.channel import open_channel
 from llamarl.buffer.record import RolloutBatch
 from llamarl.config import adapter_sync
-from llamarl.launch.cores import threads_for
-from llamarl.launch.roster import Roster
-from llamarl.launch.runtime import (
+from llamarl.runtime.cores import threads_for
+from llamarl.runtime.roster import Roster
+from llamarl.runtime.setup import (
     Runtime,
     log,
     pair_group_name,
@@ -238,7 +238,7 @@ def run_trainer(rt: Runtime) -> None:
     if resume:
         meta = checkpoint.load(Path(resume["checkpoint"]), model, trainer.opt, trainer.sched,
                                critic)
-        version = meta["policy_version"]  # (below run.steps: launch/runtime.py checked)
+        version = meta["policy_version"]  # (below run.steps: runtime/setup.py checked)
         log(rt, f"resumed from {resume['checkpoint']} at step {meta['step']}")
         if r == 0:  # only now: a resume that fails leaves the run's files as they were
             write_run_files(rt, model_path)
@@ -362,7 +362,7 @@ def run_trainer(rt: Runtime) -> None:
         row.update(reward_metrics(info))  # reward errors/timeouts, dynamic sampling, components
         row.update(rollout_metrics(info))  # multi-turn: turns, tool calls, errors, env time
         row.update(rm_row)  # reward/reward_model, reward_model_s (trainer placement)
-        if roster is not None:  # engines alive (launch/roster.py): fewer after a loss
+        if roster is not None:  # engines alive (runtime/roster.py): fewer after a loss
             row["engines_live"] = len(roster.read().live)
         row["skipped_steps_total"] = int(stats["skipped_total"])
         if "skipped" in stats:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llamarl.launch.watchdog import peek
+from llamarl.runtime.watchdog import peek
 
 STOP_FILE = "stop"
 KEY = "trainer/stop_at"

@@ -1,5 +1,5 @@
 """Who receives trainer rank r's weight syncs when engines can be lost and replaced
-(launch/roster.py; gloo point to point, see parallel/transports/torch_dist.py).
+(runtime/roster.py; gloo point to point, see parallel/transports/torch_dist.py).
 
 The engines of the launch receive on the group built at start-up, wsync<r> = [trainer r, every
 generator rank]: a lost one is left out of every later sync. A replacement engine
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from llamarl.launch.roster import Roster, join_group_name
-from llamarl.launch.runtime import Runtime, log
+from llamarl.runtime.roster import Roster, join_group_name
+from llamarl.runtime.setup import Runtime, log
 from llamarl.parallel.groups import make_group
 from llamarl.parallel.transports.filesystem import read_mark
 from llamarl.parallel.transports.torch_dist import Members

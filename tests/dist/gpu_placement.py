@@ -1,5 +1,5 @@
 """torchrun --nproc-per-node 2 (1 trainer rank + 1 engine rank) on a GPU machine: each rank is
-placed as `python -m llamarl.launch` places it (launch/gpus.py, before CUDA starts), then sets
+placed as `python -m llamarl.launch` places it (runtime/gpus.py, before CUDA starts), then sets
 up llamarl's runtime and writes, to $OUT.<rank>, what it sees: CUDA_VISIBLE_DEVICES, its device,
 and the UUID of the GPU behind it; the generator also the GPU vLLM's worker would take (the
 single-process executor's `cuda` -> local rank 0, tests/test_gpu_path.py). vLLM itself is not
@@ -9,9 +9,9 @@ import json
 import os
 
 from llamarl.config import load_config
-from llamarl.launch.dist_env import from_environ
-from llamarl.launch.gpus import apply_placement
-from llamarl.launch.layout import compute_layout
+from llamarl.runtime.dist_env import from_environ
+from llamarl.runtime.gpus import apply_placement
+from llamarl.runtime.layout import compute_layout
 
 if __name__ == "__main__":
     env = from_environ()
@@ -19,7 +19,7 @@ if __name__ == "__main__":
     placement = apply_placement(layout, env.rank, env.local_rank)
     import torch
 
-    from llamarl.launch.runtime import setup
+    from llamarl.runtime.setup import setup
 
     cfg = load_config(None, ["trainer.ranks=1", f"run.output_dir={os.environ['RUNS']}"])
     rt = setup(cfg, layout, env)

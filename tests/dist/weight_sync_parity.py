@@ -19,9 +19,9 @@ import time
 import torch
 
 from llamarl.config import load_config
-from llamarl.launch.dist_env import from_environ
-from llamarl.launch.layout import compute_layout
-from llamarl.launch.runtime import setup
+from llamarl.runtime.dist_env import from_environ
+from llamarl.runtime.layout import compute_layout
+from llamarl.runtime.setup import setup
 
 # The last prompt (37 tokens) fills a KV-cache block (generator.block_size=32), which the
 # prefix cache keeps from the generate before a sync: reusing it after the sync would show as

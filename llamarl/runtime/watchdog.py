@@ -11,7 +11,7 @@ and ends the process with `os._exit(1)`: the main thread may be blocked inside a
 would otherwise wait for its full timeout.
 
 A dead peer that the job can do without (an engine, when others are left: `excuse`, see
-launch/roster.py) is not a failure: it is excused, and watched again if a replacement takes its
+runtime/roster.py) is not a failure: it is excused, and watched again if a replacement takes its
 rank (its `done/<rank>` key, set to "lost", is deleted then).
 
 An engine of several ranks (generator.tp > 1) is lost whole. Its other ranks (a dead rank's
@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from llamarl.launch.layout import Layout
+from llamarl.runtime.layout import Layout
 
 HEARTBEAT_S = 1.0
 # how long the store's host, ending (a failure, a peer's, or SIGTERM), waits for its peers to

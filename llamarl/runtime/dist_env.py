@@ -21,7 +21,7 @@ class DistEnv:
     master_port: int
     launcher: str  # "torchrun" | "slurm"
     # the launcher's restart attempt (torchrun --max-restarts, Slurm requeue): namespaces the
-    # store keys; a restarted job resumes by itself (launch/runtime.py)
+    # store keys; a restarted job resumes by itself (runtime/setup.py)
     restart: int = 0
 
     @property

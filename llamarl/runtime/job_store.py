@@ -26,7 +26,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from llamarl.errors import first_line
-from llamarl.launch.dist_env import DistEnv
+from llamarl.runtime.dist_env import DistEnv
 from llamarl.parallel.groups import connect_store
 
 JOB_KEY = "llamarl/job"

@@ -34,7 +34,7 @@ from __future__ import annotations
 import os
 
 from llamarl.config import Config
-from llamarl.launch.layout import Layout
+from llamarl.runtime.layout import Layout
 
 # How long an idle OpenMP thread spins before it sleeps (see the module docstring)
 SPIN_ENV = {"GOMP_SPINCOUNT": "30000", "KMP_BLOCKTIME": "1"}

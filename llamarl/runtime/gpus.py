@@ -34,7 +34,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from llamarl.launch.layout import Layout
+from llamarl.runtime.layout import Layout
 
 VISIBLE = "CUDA_VISIBLE_DEVICES"
 GPU_INDEX_ENV = "LLAMARL_GPU_INDEX"  # this process's device index (cuda:N), once placed

@@ -25,12 +25,12 @@ from llamarl.buffer.shm import sweep_run
 from llamarl.config import Config, config_to_yaml, reshards
 from llamarl.errors import first_line
 from llamarl.generator.log_hygiene import quiet_third_party
-from llamarl.launch.dist_env import DistEnv
-from llamarl.launch.gpus import placed_index
-from llamarl.launch.job_store import StoreError, job_identity, job_prefix, open_job_store
-from llamarl.launch.layout import Layout, RankRole
-from llamarl.launch.roster import Roster
-from llamarl.launch.watchdog import Watchdog, peek
+from llamarl.runtime.dist_env import DistEnv
+from llamarl.runtime.gpus import placed_index
+from llamarl.runtime.job_store import StoreError, job_identity, job_prefix, open_job_store
+from llamarl.runtime.layout import Layout, RankRole
+from llamarl.runtime.roster import Roster
+from llamarl.runtime.watchdog import Watchdog, peek
 from llamarl.parallel.groups import GroupSpec, broadcasts, connect_store, default_backend
 from llamarl.parallel.transports.base import TransportSpec
 
@@ -178,7 +178,7 @@ def lost_nodes_line(store: dist.Store, layout: Layout) -> str:
 
 
 def pick_device(env: DistEnv) -> torch.device:
-    """This rank's device: the GPU launch/gpus.py placed it on, else (a process not started
+    """This rank's device: the GPU runtime/gpus.py placed it on, else (a process not started
     through llamarl.launch) GPU local_rank of those the node shows, else the CPU."""
     index = placed_index()
     if index is not None:
@@ -254,7 +254,7 @@ def survives_engine_loss(cfg: Config, layout: Layout, device: torch.device) -> b
       transport's NCCL broadcast cannot drop a member (docs/operations.md says what is left).
 
     Batch and continuous generation both hand slots over at batch boundaries
-    (generator/slots.py). An engine of tp > 1 is lost whole (launch/watchdog.py: its other
+    (generator/slots.py). An engine of tp > 1 is lost whole (runtime/watchdog.py: its other
     ranks leave with a dead one)."""
     if cfg.sync.engine_loss != "continue" or layout.engines < 2:
         return False

@@ -3,7 +3,7 @@
 The prompts and batches of a run are divided into E *slots*, one per engine of the recipe:
 slot s owns prompt shard s, the held-out shard s, its sampling seeds and the channels
 `e<s>t<r>` to every trainer rank r. Normally engine s makes slot s. When an engine is lost
-(its process is gone, or its node: see launch/watchdog.py) its slots go to the live engine
+(its process is gone, or its node: see runtime/watchdog.py) its slots go to the live engine
 with the fewest slots, which makes them from the next batch they owe, with the same prompts
 in the same order and the same seeds: the trainers see the same batch size and read the
 same channels, and nothing the lost engine had delivered is made again (generator/slots.py).
