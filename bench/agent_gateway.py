@@ -240,9 +240,10 @@ def main() -> None:
     from llamarl.config import load_config
     from llamarl.data.prompts import PromptFormatter
     from llamarl.generator.engine import Engine
+    from llamarl.models.tiny import warm_start_dir
     from llamarl.rollout.source import SourceContext, build_source
     from llamarl.tiny import lookup
-    from llamarl.tiny.warmstart import run_warm_start, warm_start_dir
+    from llamarl.trainer.warmstart import run_warm_start
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=32)

@@ -67,7 +67,7 @@ def main() -> None:
     from llamarl.data.loader import PromptLoader, shard
     from llamarl.data.prompts import PromptFormatter
     from llamarl.generator.engine import sampler_seed
-    from llamarl.tiny.warmstart import warm_start_dir
+    from llamarl.models.tiny import warm_start_dir
 
     cfg = load_config(ROOT / args.recipe, [])
     g = cfg.generator

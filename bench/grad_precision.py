@@ -130,11 +130,10 @@ def main() -> None:
     from llamarl.config import load_config
     from llamarl.data.dataset import load_prompt_data
     from llamarl.data.prompts import PromptFormatter
-    from llamarl.runtime.allocator import keep_freed_memory
     from llamarl.models.smollm2 import ensure_smollm2
-    from llamarl.parallel.fsdp import apply_fsdp, trainer_options
     from llamarl.rewards.registry import resolve_builtin
-    from llamarl.trainer.policy import DTYPES, load_policy
+    from llamarl.runtime.allocator import keep_freed_memory
+    from llamarl.trainer.policy import DTYPES, load_policy, shard_for_training
     from llamarl.trainer.rl_step import policy_step
     from llamarl.trainer.step import PolicyTrainer
 
@@ -209,7 +208,7 @@ def main() -> None:
     for dtype in ("float32", "bfloat16"):
         run_cfg = load_config(recipe, ["trainer.grad_clip=0", f"model.dtype={dtype}"])
         model = load_policy(path, "float32")
-        apply_fsdp(model, mesh, DTYPES[dtype], **trainer_options(run_cfg.trainer))
+        shard_for_training(model, mesh, run_cfg.trainer, DTYPES[dtype])
         trainer = PolicyTrainer(model, run_cfg.trainer, 10, 1, torch.device("cpu"))
         trainer.opt.step = lambda *a, **k: None  # the gradient only
         stats = policy_step(trainer, batch, run_cfg, tok.pad_token_id)

@@ -345,7 +345,7 @@ def run_trl_tiny(seed: int, steps: int, eval_every: int, out: Path, bf16: bool =
     """run_trl on the tiny workload: the warm-started model and the default recipe's batch,
     response length, lr and warm-up."""
     from llamarl.config import load_config
-    from llamarl.tiny.warmstart import warm_start_dir
+    from llamarl.models.tiny import warm_start_dir
 
     cfg = load_config(ROOT / DEFAULT, [])
     g = cfg.generator

@@ -256,10 +256,9 @@ def main() -> None:
         return compare(args)
 
     from llamarl.config import load_config
-    from llamarl.parallel.fsdp import apply_fsdp, trainer_options
     from llamarl.trainer.critic import build_critic
     from llamarl.trainer.loop import TRAINER_BACKEND, load_reference
-    from llamarl.trainer.policy import DTYPES, load_policy
+    from llamarl.trainer.policy import DTYPES, load_policy, shard_for_training
     from llamarl.trainer.rl_step import policy_step
     from llamarl.trainer.step import PolicyTrainer
 
@@ -318,7 +317,7 @@ def main() -> None:
                                  *extra])
         model = load_policy(path, args.master_dtype).to(device)
         vocab = model.config.vocab_size
-        apply_fsdp(model, mesh, DTYPES[args.dtype], **trainer_options(cfg.trainer))
+        shard_for_training(model, mesh, cfg.trainer, DTYPES[args.dtype])
         trainer = PolicyTrainer(model, cfg.trainer, 100, world, device)
         critic = build_critic(cfg, path, mesh, device, 100, world) if alg == "ppo" else None
         reference = load_reference(cfg, path, mesh, device)

@@ -17,14 +17,15 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from llamarl.algorithms.registry import (
+from llamarl.registry.algorithms import (
     ALGORITHMS,
     CORRECTIONS,
     ESTIMATORS,
     POLICY_LOSSES,
     is_import_path,
 )
-from llamarl.envs import BUILTIN_AGENTS, BUILTIN_ENVS
+from llamarl.registry.envs import BUILTIN_AGENTS, BUILTIN_ENVS
+from llamarl.registry.models import VARIANTS
 
 
 @dataclass
@@ -168,13 +169,13 @@ class TrainerConfig:
 
 @dataclass
 class AlgorithmConfig:
-    # The algorithm (llamarl/algorithms/registry.py): grpo | dr_grpo | rloo | reinforce_pp |
+    # The algorithm (llamarl/registry/algorithms.py): grpo | dr_grpo | rloo | reinforce_pp |
     # reinforce_pp_baseline | ppo (a critic and GAE) | gspo | cispo | on_policy_distill (a
     # teacher's per-token logprobs). It names an advantage estimator and a policy loss; either
     # can be replaced below.
     name: str = "grpo"
     # "" = the algorithm's; a registry name; or "module:function" (your own estimator / loss,
-    # signatures in llamarl/algorithms/registry.py)
+    # signatures in llamarl/registry/algorithms.py)
     advantage: str = ""
     policy_loss: str = ""
     clip_eps: float = 0.2
@@ -578,8 +579,6 @@ def validate(cfg: Config) -> Config:
         _fail("algorithm.icepop_low/high", [cfg.algorithm.icepop_low, cfg.algorithm.icepop_high],
               "need 0 < icepop_low < 1 < icepop_high")
     if cfg.model.path.startswith("smollm2:"):
-        from llamarl.models.smollm2 import VARIANTS  # (standard library only)
-
         if cfg.model.path.split(":", 1)[1] not in VARIANTS:
             _fail("model.path", cfg.model.path,
                   "use one of " + ", ".join(f"smollm2:{v}" for v in VARIANTS))

@@ -276,14 +276,11 @@ def _dist_runtime(port: int):
     """The runtime of a DistChannel end, reduced to what it uses."""
     from types import SimpleNamespace
 
-    from llamarl.parallel.groups import GroupSpec
-
     return SimpleNamespace(
         store=_store(port, False), device=torch.device("cpu"),
-        watchdog=SimpleNamespace(check=lambda: None),
-        cfg=SimpleNamespace(sync=SimpleNamespace(dead_peer_s=5.0)),
-        group_spec=lambda name, rank, size: GroupSpec("127.0.0.1", port, f"t/{name}", rank,
-                                                      size, "gloo", 60.0))
+        watchdog=SimpleNamespace(check=lambda: None), prefix="t",
+        env=SimpleNamespace(master_addr="127.0.0.1", master_port=port),
+        cfg=SimpleNamespace(sync=SimpleNamespace(dead_peer_s=5.0, timeout_s=60.0)))
 
 
 def _dist_end(port: int, side: str, n: int, q):

@@ -65,8 +65,6 @@ def test_a_lost_receivers_files_are_swept_and_a_replacement_reads_from_its_first
     model, _ = build_model(0)
     cpu = torch.device("cpu")
     published = []
-    sender = open_weight_sync("send", _spec(tmp_path, 0), 64, cpu, 0.015625, model=model,
-                              publish_metas=published.append)
 
     class Members:
         done = 0  # the first sync a live receiver (or a replacement) may still read
@@ -74,7 +72,10 @@ def test_a_lost_receivers_files_are_swept_and_a_replacement_reads_from_its_first
         def begin(self, sync: int) -> int:
             return self.done
 
-    sender.transport.members = members = Members()
+    members = Members()
+    sender = open_weight_sync("send", _spec(tmp_path, 0), 64, cpu, 0.015625, model=model,
+                              publish_metas=published.append,
+                              members=lambda transport: members)
     live = open_weight_sync("receive", _spec(tmp_path, 1), 64, cpu, 0.015625, metas=published)
     live_engine = LoadingEngine()  # (later syncs replay the first load into this engine)
     for _ in range(2):  # receiver 2 is gone

@@ -26,9 +26,9 @@ from llamarl.generator.gpu_memory import (
     sync_need_bytes,
 )
 from llamarl.generator.kv_cache import kv_bytes_per_token, sequence_bytes
+from llamarl.parallel.weight_plan import TensorMeta
 from llamarl.runtime.gpus import GPU_INDEX_ENV, VISIBLE, apply_placement
 from llamarl.runtime.layout import compute_layout
-from llamarl.parallel.weight_plan import TensorMeta
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_RECIPES = sorted((ROOT / "recipes").glob("*gpu.yaml"))

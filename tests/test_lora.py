@@ -11,8 +11,9 @@ import torch
 from conftest import DIST, torchrun
 
 from llamarl.config import LORA_TARGETS, load_config
+from llamarl.parallel.adapters import is_trainable, is_trained_copy
 from llamarl.tiny.model import build_model
-from llamarl.trainer.lora import add_adapters, is_trainable, is_trained_copy, merged_state_dict
+from llamarl.trainer.lora import add_adapters, merged_state_dict
 from llamarl.trainer.policy import pad_rollouts, token_logprobs
 
 # as tests/dist/lora_policy_step.py
@@ -237,7 +238,7 @@ def test_export_writes_a_peft_adapter_and_the_merged_model(two_ranks, tmp_path):
 
 def test_export_greedy_agrees_in_transformers_and_vllm(two_ranks, tmp_path):
     """The exported LoRA policy in vLLM generates what it generates in transformers (greedy,
-    llamarl.models.check): with the adapters alone, the PEFT adapter directory on the base
+    llamarl.model_check): with the adapters alone, the PEFT adapter directory on the base
     (PeftModel against vLLM's LoRA layers with a LoRARequest naming it); with the final norm
     trained too, which vLLM's LoRA loader does not take, the merged directory."""
     import subprocess
@@ -247,7 +248,7 @@ def test_export_greedy_agrees_in_transformers_and_vllm(two_ranks, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from llamarl.export import export
-    from llamarl.models.check import LOGPROB_TOL, PLAIN_PROMPTS, greedy_hf
+    from llamarl.model_check import LOGPROB_TOL, PLAIN_PROMPTS, greedy_hf
 
     out = export(two_ranks["checkpoint"], tmp_path / "export")
     base = json.loads((Path(two_ranks["checkpoint"]) / "meta.json").read_text())["model_path"]
@@ -260,7 +261,7 @@ def test_export_greedy_agrees_in_transformers_and_vllm(two_ranks, tmp_path):
     args = [str(out)] if two_ranks["extra"] else [base, "--adapter", str(out / "adapter")]
     tmp = tmp_path / "tmp"  # (the check leaves nothing there: vLLM's FileStore is removed)
     tmp.mkdir()
-    check = subprocess.run([sys.executable, "-m", "llamarl.models.check", *args], cwd=ROOT,
+    check = subprocess.run([sys.executable, "-m", "llamarl.model_check", *args], cwd=ROOT,
                            env=child_env(TMPDIR=tmp), capture_output=True, text=True,
                            timeout=600)
     assert check.returncode == 0, check.stdout[-2000:] + check.stderr[-3000:]

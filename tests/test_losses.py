@@ -85,8 +85,8 @@ def test_mis_at_token_level_masks_single_tokens():
 
 
 def test_registry_names_are_validated_once():
-    from llamarl.algorithms.registry import ALGORITHMS
     from llamarl.config import load_config
+    from llamarl.registry.algorithms import ALGORITHMS
 
     for name in ALGORITHMS:  # (distillation needs its teacher named)
         load_config(None, [f"algorithm.name={name}"] + (

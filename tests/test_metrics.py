@@ -78,7 +78,7 @@ def test_without_tensorboard_only_metrics_jsonl_is_written(tmp_path, monkeypatch
 
 
 def test_resume_truncates_rows_after_the_checkpoint(tmp_path):
-    from llamarl.trainer.metrics import truncate_after
+    from llamarl.runtime.run_dir import truncate_after
 
     (tmp_path / "metrics.jsonl").write_text(
         "".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3, 4)) + '{"step": 5, "rew')

@@ -238,7 +238,8 @@ def test_three_turn_episodes_are_token_in_token_out(cache_dir, monkeypatch):
     import torch
     from conftest import DIST, ROOT, child_env
 
-    from llamarl.tiny.warmstart import run_warm_start, warm_start_dir
+    from llamarl.models.tiny import warm_start_dir
+    from llamarl.trainer.warmstart import run_warm_start
 
     monkeypatch.setenv("LLAMARL_CACHE", str(cache_dir))
     path = warm_start_dir("reverse")

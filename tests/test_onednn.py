@@ -10,8 +10,12 @@ import sys
 import pytest
 from conftest import ROOT, child_env
 
-from llamarl.runtime.onednn import PRIMITIVE_CACHE_CAPACITY, PRIMITIVE_CACHE_ENV, cap_primitive_cache
 from llamarl.models.precision import cpu_bfloat16_is_fast
+from llamarl.runtime.onednn import (
+    PRIMITIVE_CACHE_CAPACITY,
+    PRIMITIVE_CACHE_ENV,
+    cap_primitive_cache,
+)
 
 # One bfloat16 matmul shape, then more other shapes than the bound, then the first again:
 # oneDNN's verbose log says whether its primitive was still cached (create:cache_hit) or had

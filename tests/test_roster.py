@@ -8,13 +8,13 @@ import time
 from datetime import timedelta
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from llamarl.config import load_config
+from llamarl.parallel.plan import survives_engine_loss
 from llamarl.runtime.layout import compute_layout
 from llamarl.runtime.roster import Roster
-from llamarl.runtime.setup import engine_loss_excuse, free_port, survives_engine_loss
+from llamarl.runtime.setup import engine_loss_excuse, free_port
 
 
 @pytest.fixture
@@ -73,7 +73,7 @@ def _cfg(*overrides):
 
 
 def test_which_jobs_survive_an_engine_loss():
-    cpu = torch.device("cpu")
+    cpu = "gloo"
     layout = compute_layout(4, 4, 2, 2, 1)
     assert survives_engine_loss(_cfg(), layout, cpu)
     assert not survives_engine_loss(_cfg("sync.engine_loss=stop"), layout, cpu)
@@ -81,7 +81,7 @@ def test_which_jobs_survive_an_engine_loss():
     assert survives_engine_loss(_cfg("generator.mode=continuous", "sync.max_staleness=2"),
                                 layout, cpu)
     assert survives_engine_loss(_cfg("sync.transport=filesystem"), layout, cpu)  # swept
-    cuda = torch.device("cuda", 0)
+    cuda = "nccl"
     # NCCL: one broadcast group per trainer rank cannot leave an engine out
     assert not survives_engine_loss(_cfg("sync.weight_groups=shared"), layout, cuda)
     # pair groups (sync.weight_groups auto, on one node): a lost engine's are aborted
@@ -107,12 +107,13 @@ def test_an_engine_of_two_ranks_is_excused_once_both_are_gone(store, capsys):
     from llamarl.runtime.watchdog import Watchdog
 
     layout = compute_layout(5, 5, 1, 2, 2)
-    cfg, cpu = _cfg("generator.tp=2"), torch.device("cpu")
+    cfg = _cfg("generator.tp=2")
+    survives = survives_engine_loss(cfg, layout, "gloo")
 
     def watchdog(rank: int) -> Watchdog:
         return Watchdog(lambda: store, rank, layout, 30.0,
-                        excuse=engine_loss_excuse(cfg, layout, cpu),
-                        can_lose=engine_loss_allowed(cfg, layout, cpu))
+                        excuse=engine_loss_excuse(layout, survives),
+                        can_lose=engine_loss_allowed(layout, survives))
 
     class Ended(Exception):  # leave() and _die() end the process (tests/test_tp.py runs it)
         pass
@@ -154,7 +155,7 @@ def test_the_filesystem_sweep_keeps_what_a_live_engine_or_a_replacement_may_stil
     the sync trainer 0 chose for it (its next) until it has read it."""
     from types import SimpleNamespace
 
-    from llamarl.trainer.weight_members import FileMembers
+    from llamarl.parallel.weight_members import FileMembers
 
     layout = compute_layout(3, 3, 1, 2, 1)  # rank 0 trainer, ranks 1-2 engines 0-1
     rt = SimpleNamespace(store=store, layout=layout, role=layout.role_of(0))
@@ -176,7 +177,7 @@ def test_the_filesystem_sweep_keeps_what_a_live_engine_or_a_replacement_may_stil
 
 def test_the_excuse_drops_a_generator_but_never_a_trainer_or_the_last_engine(store, capsys):
     layout = compute_layout(4, 4, 2, 2, 1)  # ranks 0-1 trainers, 2-3 engines 0-1
-    excuse = engine_loss_excuse(_cfg(), layout, torch.device("cpu"))
+    excuse = engine_loss_excuse(layout, survives_engine_loss(_cfg(), layout, "gloo"))
     assert not excuse(store, 0, "rank 0 (trainer 0) died")
     assert excuse(store, 3, "rank 3 (generator 1) died (process 7 is gone)")
     assert store.get("done/3") == b"lost"
@@ -195,10 +196,11 @@ def test_a_rank_that_ended_well_does_not_keep_its_engine_pending(store):
     from llamarl.runtime.watchdog import Watchdog
 
     layout = compute_layout(5, 5, 1, 2, 2)
-    cfg, cpu = _cfg("generator.tp=2"), torch.device("cpu")
+    cfg = _cfg("generator.tp=2")
+    survives = survives_engine_loss(cfg, layout, "gloo")
     trainer = Watchdog(lambda: store, 0, layout, 30.0,
-                       excuse=engine_loss_excuse(cfg, layout, cpu),
-                       can_lose=engine_loss_allowed(cfg, layout, cpu))
+                       excuse=engine_loss_excuse(layout, survives),
+                       can_lose=engine_loss_allowed(layout, survives))
     store.set("done/3", "ok")
     trainer._fault(4, "rank 4 (generator 1 (tp rank 1)) died", store)
     assert trainer.pending == set() and Roster(store, 2).read().lost == [1]
@@ -263,12 +265,12 @@ def test_a_replacement_whose_job_ends_before_it_is_back_ends_well():
     import subprocess
     import sys
 
+    from llamarl.runtime.job_store import connect_store
     from llamarl.runtime.watchdog import Watchdog
-    from llamarl.parallel.groups import connect_store
 
     port = free_port()
     server = subprocess.Popen([sys.executable, "-c", (
-        "import time; from llamarl.parallel.groups import connect_store; "
+        "import time; from llamarl.runtime.job_store import connect_store; "
         f"s = connect_store('127.0.0.1', {port}, 30.0, is_master=True); time.sleep(120)")])
     try:
         deadline = time.monotonic() + 60
@@ -334,7 +336,7 @@ def test_a_replacement_found_dead_before_it_is_back_never_rejoins(store, capsys)
     rejoin: a slot nobody makes would hang the job), or it rejoined first (then its death is
     a loss like any other)."""
     layout = compute_layout(4, 4, 2, 2, 1)  # ranks 0-1 trainers, 2-3 engines 0-1
-    excuse = engine_loss_excuse(_cfg(), layout, torch.device("cpu"))
+    excuse = engine_loss_excuse(layout, survives_engine_loss(_cfg(), layout, "gloo"))
     roster = Roster(store, 2)
     assert excuse(store, 3, "rank 3 (generator 1) died")  # the loss
     capsys.readouterr()

@@ -114,7 +114,7 @@ def test_exported_policy_greedy_agrees_in_transformers_and_vllm(finished_run):
     config = json.loads((policy / "config.json").read_text())
     # the recipe's model.dtype = auto: bfloat16 where this CPU has its products, else float32
     assert config["dtype"] == resolve_dtype("auto") and "quantization_config" not in config
-    check = subprocess.run([sys.executable, "-m", "llamarl.models.check", str(policy)],
+    check = subprocess.run([sys.executable, "-m", "llamarl.model_check", str(policy)],
                            cwd=ROOT, env=child_env(), capture_output=True, text=True,
                            timeout=600)
     assert check.returncode == 0, check.stdout[-2000:] + check.stderr[-3000:]

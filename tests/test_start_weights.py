@@ -31,7 +31,7 @@ def lm_head_only_checkpoint(tmp_path_factory) -> Path:
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM
 
-    from llamarl.tiny.warmstart import run_warm_start
+    from llamarl.trainer.warmstart import run_warm_start
 
     root = tmp_path_factory.mktemp("lm_head_only")
     warm = root / "warm"

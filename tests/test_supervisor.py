@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 from llamarl.config import load_config
 from llamarl.launch import supervisor
+from llamarl.launch.join import ENGINE_ENV
 from llamarl.runtime.dist_env import DistEnv
 from llamarl.runtime.job_store import job_prefix
-from llamarl.launch.join import ENGINE_ENV
 from llamarl.runtime.layout import compute_layout
 from llamarl.runtime.setup import free_port
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from llamarl.algorithms.registry import ESTIMATORS, resolve
+from llamarl.registry.algorithms import ESTIMATORS, resolve
 
 # A group whose rewards spread by no more than this counts as all equal (float noise; the same
 # rule as dynamic sampling's, rewards/dynamic_sampling.py).
@@ -102,7 +102,7 @@ def compute_advantages(name: str, rewards: torch.Tensor, group_ids: torch.Tensor
                        all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
                        ) -> torch.Tensor:
     """rewards, group_ids, lengths (sampled tokens): [B] -> advantages [B], by the estimator
-    `name` (a registry key or "module:function", llamarl/algorithms/registry.py)."""
+    `name` (a registry key or "module:function", llamarl/registry/algorithms.py)."""
     fn = resolve(name, ESTIMATORS, "algorithm.advantage")
     out = fn(rewards, group_ids, lengths, eps, all_reduce_sum)
     if not (isinstance(out, torch.Tensor) and out.shape == rewards.shape):

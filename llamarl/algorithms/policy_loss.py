@@ -36,7 +36,7 @@ truncated or masked; `mismatch_kl`, the k3 estimate of KL(mu || pi_theta) = E_mu
 log rho]; `ratio_sum`, `ratio_max`, `ratio_min`.
 
 A loss of your own: `algorithm.policy_loss: module:function` with the signature of the
-functions below (llamarl/algorithms/registry.py).
+functions below (llamarl/registry/algorithms.py).
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
-from llamarl.algorithms.registry import POLICY_LOSSES, policy_loss_name, resolve
 from llamarl.config import AlgorithmConfig
+from llamarl.registry.algorithms import POLICY_LOSSES, policy_loss_name, resolve
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str,

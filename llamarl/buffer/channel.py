@@ -186,25 +186,3 @@ class Channel:
     def _handle(self, seq: int):
         """The release handle of batch `seq` (adopt), as _send returned it."""
         raise NotImplementedError
-
-
-def open_channel(rt, engine: int, trainer: int, side: str,
-                 takeover: str | None = None) -> Channel:
-    """The channel engine -> trainer rank, from either side ("producer" | "consumer").
-    `takeover`: a producer continuing the channel of a lost one (unique name; see adopt and
-    dist_channel.py)."""
-    from llamarl.buffer.dist_channel import DistChannel
-    from llamarl.buffer.shm import ShmChannel
-
-    name = f"e{engine}t{trainer}"
-    producer = rt.layout.engine_global_ranks(engine)[0]
-    consumer = rt.layout.trainer_global_ranks[trainer]
-    if rt.layout.node_of(producer) == rt.layout.node_of(consumer):
-        return ShmChannel(rt.store, rt.run_id, name, rt.cfg.buffer.capacity, rt.watchdog.check,
-                          make_store=rt.new_store if side == "consumer" else None)
-    from llamarl.runtime.setup import survives_engine_loss
-
-    # the consumer follows takeovers when engines can be lost (dist_channel.py)
-    follow = side == "consumer" and survives_engine_loss(rt.cfg, rt.layout, rt.device)
-    return DistChannel(rt, name, side, rt.cfg.buffer.capacity, follow=follow,
-                       takeover=takeover)

@@ -29,7 +29,7 @@ import torch
 from llamarl.buffer import pack
 from llamarl.buffer.channel import POLL_S, Channel
 from llamarl.buffer.record import RolloutBatch
-from llamarl.parallel.groups import make_group
+from llamarl.parallel.groups import default_backend, job_group_spec, make_group
 
 PRODUCER, CONSUMER = 0, 1
 TAKEOVER_POLL_S = 0.05  # how often a waiting consumer looks for a takeover
@@ -40,7 +40,7 @@ class DistChannel(Channel):
                  takeover: str | None = None):
         super().__init__(rt.store, channel, capacity, rt.watchdog.check)
         self.rt = rt
-        self.transport = rt.group_spec("x", 0, 2).backend + " (cross-host)"
+        self.transport = default_backend(rt.device) + " (cross-host)"
         assert side in ("producer", "consumer"), side
         self.rank = PRODUCER if side == "producer" else CONSUMER
         self.device = rt.device
@@ -57,7 +57,7 @@ class DistChannel(Channel):
             return
         # Both ends construct the launch's pair group (a rendezvous on the store).
         self.pair = f"xfer/{channel}"
-        self.group = make_group(rt.group_spec(self.pair, self.rank, 2))
+        self.group = make_group(job_group_spec(rt, self.pair, self.rank, 2))
 
     # -- producer -------------------------------------------------------------------------
     def begin_takeover(self, name: str) -> None:
@@ -92,7 +92,7 @@ class DistChannel(Channel):
     def _send_loop(self) -> None:
         try:
             if self.group is None:  # a takeover's pair: the consumer builds it at our batch
-                self.group = make_group(self.rt.group_spec(self.pair, PRODUCER, 2))
+                self.group = make_group(job_group_spec(self.rt, self.pair, PRODUCER, 2))
             while True:
                 # Moved to the device here, on this thread's stream: on NCCL a send's wait only
                 # orders the waiting thread's stream after it, and the engine's main thread
@@ -154,7 +154,7 @@ class DistChannel(Channel):
         if desc.get("pair", self.pair) != self.pair:
             return None  # from before a takeover (its producer is gone)
         if self.group is None:  # the first batch of a takeover: build its pair
-            self.group = make_group(self.rt.group_spec(self.pair, CONSUMER, 2))
+            self.group = make_group(job_group_spec(self.rt, self.pair, CONSUMER, 2))
         buf = torch.empty(desc["size"], dtype=torch.uint8, device=self.device)
         if not self.follow:
             self.group.recv([buf], PRODUCER, 0).wait()

@@ -36,10 +36,10 @@ from llamarl.generator.engine import Completion, sampler_seed
 from llamarl.generator.samples import append_rows, sample_rows
 from llamarl.generator.slots import SlotSet
 from llamarl.generator.weights import fresh_version
-from llamarl.runtime.setup import Runtime
 from llamarl.rewards.dynamic_sampling import is_informative
 from llamarl.rewards.scorer import ScoredGroup, group_counts, score_groups
 from llamarl.rollout.single_turn import completion_sample
+from llamarl.runtime.setup import Runtime
 
 _IDLE_S = 0.002  # sleep while nothing runs and the trainer has no room
 _REFRESH_S = 0.5  # look at the roster (slots taken over or handed back) at least this often

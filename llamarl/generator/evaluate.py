@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 from llamarl.generator.engine import sampler_seed
 from llamarl.generator.samples import append_rows, sample_rows
+from llamarl.rollout.source import RolloutSource
 from llamarl.runtime.roster import Roster
 from llamarl.runtime.setup import Runtime, log
-from llamarl.rollout.source import RolloutSource
 from llamarl.timeline import Timeline
 
 

@@ -51,21 +51,16 @@ from llamarl.generator.samples import append_rows, sample_rows
 from llamarl.generator.slots import SlotSet
 from llamarl.generator.tp import EngineCommands, follow_leader
 from llamarl.generator.weights import WeightFollower, fresh_version
-from llamarl.runtime.cores import local_ranks, threads_for
-from llamarl.runtime.gpus import node_gpus
-from llamarl.runtime.roster import Roster, join_group_name
-from llamarl.runtime.setup import (
-    STARTUP_TIMEOUT_S,
-    Runtime,
-    free_port,
-    log,
-    pair_group_name,
-    survives_engine_loss,
-    weight_pairs,
-)
+from llamarl.parallel.groups import planned_spec
+from llamarl.parallel.plan import plan_for
+from llamarl.parallel.weight_sync import engine_transport, replacement_transport
 from llamarl.rewards.dynamic_sampling import collect_groups
 from llamarl.rewards.scorer import RewardScorer, ScoredGroup
 from llamarl.rollout.source import RolloutSource, SourceContext, build_source
+from llamarl.runtime.cores import local_ranks, threads_for
+from llamarl.runtime.gpus import node_gpus
+from llamarl.runtime.roster import Roster
+from llamarl.runtime.setup import STARTUP_TIMEOUT_S, Runtime, free_port, log
 from llamarl.timeline import Timeline
 
 
@@ -90,8 +85,8 @@ def engine_world(rt: Runtime) -> EngineWorld | None:
 def engine_commands(rt: Runtime) -> EngineCommands:
     """The command stream of this rank's tp > 1 engine (generator/tp.py); built by all its
     tp ranks at once."""
-    return EngineCommands(rt.group_spec(f"engine{rt.role.index}{_incarnation(rt)}/commands",
-                                        rt.role.tp_rank, rt.layout.tp), rt.store)
+    group = plan_for(rt).command_group(rt.role.index, rt.joining)
+    return EngineCommands(planned_spec(rt, group), rt.store)
 
 
 def _incarnation(rt: Runtime) -> str:
@@ -133,18 +128,12 @@ def largest_call(rt: Runtime, held_out: int) -> int:
 
 
 def join_weight_groups(rt: Runtime, engine: Engine) -> int:
-    """Open the engine's end of the weight sync (torch transport: join wsync<r> = [trainer r
-    (group rank 0), generator ranks (1 + j)] for every trainer rank r, see
-    trainer.loop.open_weight_sender); returns the first sync it receives: 0."""
-    gen_ranks = rt.layout.generator_global_ranks
-    me = 1 + gen_ranks.index(rt.role.rank)
+    """Open the engine's end of the weight sync (the plan's groups, parallel/plan.py: torch
+    transport, wsync<r> = [trainer r (group rank 0), generator ranks (1 + j)] for every
+    trainer rank r, see parallel.weight_sync.open_sender); returns the first sync it
+    receives: 0."""
     trainers = range(rt.layout.trainer_ranks)
-    if weight_pairs(rt.cfg, rt.layout, rt.device):  # [trainer r, this engine's tp ranks]
-        groups = [rt.group_spec(pair_group_name(r, rt.role.index), 1 + rt.role.tp_rank,
-                                1 + rt.layout.tp) for r in trainers]
-    else:
-        groups = [rt.group_spec(f"wsync{r}", me, 1 + len(gen_ranks)) for r in trainers]
-    engine.join_weight_sync(rt.weight_transport(me, groups),
+    engine.join_weight_sync(engine_transport(rt),
                             [rt.wait_key(f"wsync/meta/{r}") for r in trainers],
                             rt.cfg.sync.bucket_mb, rt.cfg.sync.solo_mb, synced_adapter(rt.cfg))
     return 0
@@ -157,7 +146,7 @@ def synced_adapter(cfg) -> dict | None:
 
 def join_as_replacement(rt: Runtime, engine: Engine) -> int:
     """A replacement engine (launch/join.py) asks the trainers for its weights; trainer 0
-    picks the sync they start with (trainer/weight_members.py), and each tp rank of this
+    picks the sync they start with (parallel/weight_members.py), and each tp rank of this
     engine builds a group with each trainer rank for it, [trainer r, its tp ranks] (the
     filesystem transport: reads the files of that sync on). Returns that sync's number.
 
@@ -177,14 +166,7 @@ def join_as_replacement(rt: Runtime, engine: Engine) -> int:
     options = {}
     if tp > 1 and reshards(rt.cfg):  # receiver 1 + k: tp rank k of engine 0
         options["needs"] = rt.wait_key(f"wsync/needs/{1 + k}")
-    if rt.cfg.sync.transport == "filesystem":  # the files of the engine it replaces, from
-        # `first` on (parallel/transports/filesystem.py)
-        me = 1 + rt.layout.generator_global_ranks.index(rt.role.rank)
-        spec = rt.weight_transport(me, [], options={**options, "first_sync": first})
-    else:
-        spec = rt.weight_transport(1 + k, [rt.group_spec(join_group_name(r, e, n), 1 + k,
-                                                         1 + tp) for r in trainers],
-                                   options=options)
+    spec = replacement_transport(rt, n, first, options)
     engine.join_weight_sync(spec, [rt.wait_key(f"wsync/meta/{r}") for r in trainers],
                             rt.cfg.sync.bucket_mb, rt.cfg.sync.solo_mb, synced_adapter(rt.cfg))
     return first
@@ -285,7 +267,7 @@ def lead(rt: Runtime, engine: Engine, data: PromptData, model_path: str,
     fmt = PromptFormatter(engine.tokenizer, cfg.data.chat_template, cfg.data.system_prompt,
                           model_path)
     k, b = cfg.sync.max_staleness, rt.resume.get("step", 0)
-    survives = survives_engine_loss(cfg, rt.layout, rt.device)
+    survives = plan_for(rt).survives_engine_loss
     slots = SlotSet(rt, data, fmt, b, keep_states=survives, own=not rt.joining,
                     check=lambda prompts: check_lengths(prompts, g.max_new_tokens,
                                                         g.max_model_len))

@@ -18,7 +18,8 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from llamarl.buffer.channel import Channel, open_channel
+from llamarl.buffer.channel import Channel
+from llamarl.buffer.channels import open_channel
 from llamarl.buffer.record import RolloutBatch, split_groups
 from llamarl.data.dataset import PromptData
 from llamarl.data.loader import PromptLoader, shard

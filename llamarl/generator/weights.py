@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 from llamarl.generator.engine import Engine
 from llamarl.generator.evaluate import Evaluator
+from llamarl.parallel.weight_sync import announced_version
 from llamarl.runtime.key_sequence import KeySequence
 from llamarl.runtime.setup import Runtime
-from llamarl.parallel.weight_sync import announced_version
 from llamarl.timeline import Timeline
 
 _WAIT_S = 1.0  # longest blind wait for an announcement: the watchdog is checked in between

@@ -6,7 +6,7 @@ replacement claims the first lost engine nobody replaces yet (a supervisor's rep
 its own engine, `LLAMARL_JOIN_ENGINE`, launch/supervisor.py) and takes its global rank: the
 watchdogs of the other ranks watch that rank again once this process deletes its `done/<rank>`
 mark. It then starts its engine, receives the trainers' weights from the sync trainer 0 picks
-for it (trainer/weight_members.py), rejoins the roster and takes its slot back from the engine
+for it (parallel/weight_members.py), rejoins the roster and takes its slot back from the engine
 that made it meanwhile, at that engine's next batch boundary (generator/slots.py).
 
 An engine of generator.tp > 1 is replaced whole: this process becomes its tp rank 0 and starts
@@ -17,9 +17,11 @@ private world and command stream with it.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -28,13 +30,13 @@ import torch.distributed as dist
 
 from llamarl.config import Config, load_config
 from llamarl.runtime.dist_env import DistEnv
-from llamarl.runtime.job_store import job_prefix
+from llamarl.runtime.job_store import connect_store, job_prefix
 from llamarl.runtime.layout import Layout, compute_layout
 from llamarl.runtime.roster import Roster
-from llamarl.parallel.groups import connect_store
 
 # set for the other tp ranks of a replacement (spawn_tp_ranks): "<engine>:<incarnation>:<tp rank>"
 TP_RANK_ENV = "LLAMARL_JOIN_TP_RANK"
+_PR_SET_PDEATHSIG = 1
 ENGINE_ENV = "LLAMARL_JOIN_ENGINE"  # the engine to replace (its supervisor's), else any lost
 
 
@@ -93,7 +95,6 @@ def spawn_tp_ranks(layout: Layout, env: DistEnv, incarnation: str,
     llamarl.launch --join ...` again, told their place by TP_RANK_ENV); each dies with this
     process (PR_SET_PDEATHSIG)."""
     from llamarl.runtime.gpus import GPU_INDEX_ENV, VISIBLE
-    from llamarl.launch.supervisor import die_with_parent
 
     role = layout.role_of(env.rank)
 
@@ -114,3 +115,11 @@ def spawn_tp_ranks(layout: Layout, env: DistEnv, incarnation: str,
     return [subprocess.Popen([sys.executable, "-m", "llamarl.launch", *argv],
                              env=child_env(k), preexec_fn=die_with_parent)
             for k in range(1, layout.tp)]
+
+
+def die_with_parent() -> None:
+    """In the child, before exec: SIGKILL this process when its parent (the supervisor) dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:  # not Linux: the child's watchdog still ends it once the job is gone
+        pass

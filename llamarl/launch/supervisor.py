@@ -31,7 +31,6 @@ dies with its supervisor (PR_SET_PDEATHSIG), so no rank outlives a supervisor th
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -40,15 +39,15 @@ import sys
 import time
 
 from llamarl.config import Config
+from llamarl.launch.join import ENGINE_ENV, die_with_parent
 from llamarl.runtime.dist_env import DistEnv
 from llamarl.runtime.layout import Layout
 
 SUPERVISED = "LLAMARL_SUPERVISED"
-_PR_SET_PDEATHSIG = 1
 
 
 def wants_supervisor(cfg: Config, layout: Layout, env: DistEnv) -> bool:
-    """A generator rank under torchrun whose loss the job survives (runtime.
+    """A generator rank under torchrun whose loss the job survives (parallel/plan.py:
     survives_engine_loss), not already the supervised child."""
     if env.launcher != "torchrun" or os.environ.get(SUPERVISED):
         return False
@@ -56,18 +55,10 @@ def wants_supervisor(cfg: Config, layout: Layout, env: DistEnv) -> bool:
         return False  # (the cheap part of survives_engine_loss, before importing torch)
     import torch
 
-    from llamarl.runtime.setup import survives_engine_loss
+    from llamarl.parallel.plan import comm_plan
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return survives_engine_loss(cfg, layout, device)
-
-
-def die_with_parent() -> None:
-    """In the child, before exec: SIGKILL this process when its parent (the supervisor) dies."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:  # not Linux: the child's watchdog still ends it once the job is gone
-        pass
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    return comm_plan(cfg, layout, backend).survives_engine_loss
 
 
 def supervise(argv: list[str], cfg: Config, layout: Layout, env: DistEnv) -> int:
@@ -134,8 +125,6 @@ def supervise(argv: list[str], cfg: Config, layout: Layout, env: DistEnv) -> int
         print(f"llamarl: {name}: {how}; the job goes on without it while {what} starts "
               f"(sync.engine_restarts: {restarts_left} left)", file=sys.stderr, flush=True)
         cmd, replacing = [sys.executable, "-m", "llamarl.launch", "--join", run], True
-        from llamarl.launch.join import ENGINE_ENV
-
         os.environ[ENGINE_ENV] = str(role.index)  # (its own engine, on its own node)
 
 
@@ -151,8 +140,7 @@ def _job_store(env: DistEnv):
     """The job's store (prefixed as the ranks use it), or None when it is gone."""
     from torch.distributed import PrefixStore
 
-    from llamarl.runtime.job_store import job_prefix
-    from llamarl.parallel.groups import connect_store
+    from llamarl.runtime.job_store import connect_store, job_prefix
 
     try:
         return PrefixStore(job_prefix(env.restart),

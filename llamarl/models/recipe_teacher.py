@@ -63,7 +63,7 @@ def _prefix(name: str) -> str:
 def _start_entry(model_path: str) -> str:
     """The cache entry of the model the recipe starts from (its weights are part of the key)."""
     from llamarl.models.smollm2 import model_dir
-    from llamarl.tiny.warmstart import warm_start_dir
+    from llamarl.models.tiny import warm_start_dir
 
     if model_path.startswith("tiny:"):
         return warm_start_dir(model_path.split(":", 1)[1]).name

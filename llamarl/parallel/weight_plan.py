@@ -137,7 +137,7 @@ def model_tensors(model: torch.nn.Module, buffers: set[str] | None = None,
     form (lora.adapter_name), which vLLM's LoRA loader reads: the engines hold the base
     weights from the checkpoint. A module_to_save (model.lora.modules_to_save) goes by the
     base name with its trained copy's value, its frozen original left out."""
-    from llamarl.trainer.lora import adapter_name, engine_name, is_adapter, sent_in_full
+    from llamarl.parallel.adapters import adapter_name, engine_name, is_adapter, sent_in_full
 
     if adapters:
         return {adapter_name(n): p for n, p in model.named_parameters() if is_adapter(n)}

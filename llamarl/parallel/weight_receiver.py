@@ -11,7 +11,6 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from llamarl.parallel.groups import connect_store
 from llamarl.parallel.load_replay import LoadRecorder, split_rows, storage_id
 from llamarl.parallel.transports.base import Done, ReceiverTransport, Work
 from llamarl.parallel.weight_plan import (
@@ -26,6 +25,7 @@ from llamarl.parallel.weight_plan import (
     slice_plan,
     solo_bytes_of,
 )
+from llamarl.runtime.job_store import connect_store
 
 
 def check_complete(model: torch.nn.Module, loaded) -> None:

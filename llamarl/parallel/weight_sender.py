@@ -15,14 +15,24 @@ import json
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
+from llamarl.parallel.adapters import (
+    adapter_name,
+    engine_name,
+    is_adapter,
+    merged_layers,
+    merged_shard,
+    sent_in_full,
+)
 from llamarl.parallel.fsdp import place_shards
 from llamarl.parallel.transports.base import SenderTransport, Work
 from llamarl.parallel.weight_plan import (
     DTYPES_BY_NAME,
     Bucket,
+    TensorMeta,
     itemsize,
     local_pieces,
     model_tensors,
@@ -30,14 +40,6 @@ from llamarl.parallel.weight_plan import (
     plan_buckets,
     slice_plan,
     solo_bytes_of,
-)
-from llamarl.trainer.lora import (
-    adapter_name,
-    engine_name,
-    is_adapter,
-    merged_layers,
-    merged_shard,
-    sent_in_full,
 )
 
 
@@ -69,13 +71,16 @@ class WeightSender:
     def __init__(self, model: torch.nn.Module, rank: int, bucket_mb: int,
                  transport: SenderTransport | None, device: torch.device, store=None,
                  wire_dtype: torch.dtype | None = None, solo_mb: float | None = None,
-                 lost_grace_s: float = 0.0, adapters: bool = False):
+                 lost_grace_s: float = 0.0, adapters: bool = False,
+                 connect: Callable[[list[TensorMeta]], SenderTransport] | None = None):
         self.rank = rank
-        # `transport` may be set later (before the first publish): the shard layout (metas)
-        # is published first, so the receivers can build theirs while this one connects.
+        # `connect(metas)`, instead of a `transport`: called once the shard layout (metas) is
+        # known, it publishes the layout and builds the transport, so the receivers can build
+        # theirs while this one connects (parallel/weight_sync.py). (None and no `connect`:
+        # a sender for its layout and packing alone, as tests use it.)
         # A send that fails because its receiver died is forgiven once `transport.lost()`
         # names it (within lost_grace_s), and a send that hangs on a lost receiver (its node
-        # is gone) is abandoned (the torch transport's Members: trainer/weight_members.py).
+        # is gone) is abandoned (the torch transport's Members: parallel/weight_members.py).
         self.transport = transport
         self.lost_grace_s = lost_grace_s
         self.buffers = persistent_buffer_names(model)
@@ -142,6 +147,8 @@ class WeightSender:
         self._failures: list[tuple[int, BaseException]] = []  # (receiver, why its send failed)
         self._blocked_on: int | None = None  # the receiver whose send the waiter waits for
         self._announced = 0
+        if connect is not None:  # last: the receivers may build their end from here on
+            self.transport = connect(self.metas)
 
     def _local_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's piece of every tensor, by name (same pieces as `local_pieces`)."""
@@ -368,7 +375,7 @@ class WeightSender:
         lost = self.transport.lost() if works and self.transport is not None else set()
         failed: list[tuple[int, BaseException]] = []
         for dst, w in works:  # (dst -1: a broadcast to every receiver)
-            if dst in lost:  # its pair group was aborted (trainer/weight_members.py)
+            if dst in lost:  # its pair group was aborted (parallel/weight_members.py)
                 continue
             try:
                 w.wait()

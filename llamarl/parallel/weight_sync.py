@@ -40,12 +40,16 @@ receives on CPU, every message of a sync posted at once.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
+from llamarl.config import adapter_sync, reshards
+from llamarl.parallel.groups import GroupSpec, job_group_spec, planned_spec
+from llamarl.parallel.plan import join_group_name, plan_for
 from llamarl.parallel.transports import transport_module
 from llamarl.parallel.transports.base import TransportSpec
-from llamarl.parallel.weight_plan import TensorMeta
+from llamarl.parallel.weight_plan import TensorMeta, metas_to_json
 from llamarl.parallel.weight_receiver import WeightReceiver
 from llamarl.parallel.weight_sender import WeightSender
 
@@ -56,13 +60,15 @@ def open_weight_sync(side: str, spec: TransportSpec, bucket_mb: int, device: tor
                      lost_grace_s: float = 0.0,
                      publish_metas: Callable[[list[TensorMeta]], None] | None = None,
                      metas: list[list[TensorMeta]] | None = None,
-                     adapters: bool = False,
+                     adapters: bool = False, members: Callable | None = None,
                      ) -> WeightSender | WeightReceiver:
-    """Open one end of a weight sync over transport `spec.name` (sync.transport).
+    """Open one end of a weight sync over transport `spec.name` (sync.transport), complete.
 
     side "send" (trainer rank spec.me): a WeightSender of `model`'s shards. Its shard layout
     goes to `publish_metas` before the transport connects (the receivers need every layout
-    to build their end, and a torch group is built by all its members at once).
+    to build their end, and a torch group is built by all its members at once). `members`
+    (transport -> Members), when engines can be lost: who receives each sync
+    (parallel/weight_members.py).
     side "receive" (an engine): a WeightReceiver of the senders' layouts `metas`.
     `adapters` (model.lora.sync adapters): a LoRA policy's adapters alone are sent, and
     received for an adapter of vLLM's (generator/lora_adapter.py), not the engine's weights
@@ -70,16 +76,90 @@ def open_weight_sync(side: str, spec: TransportSpec, bucket_mb: int, device: tor
     transport = transport_module(spec.name)
     if side == "send":
         assert model is not None
-        sender = WeightSender(model, spec.me, bucket_mb, None, device, store,
-                              wire_dtype=wire_dtype, solo_mb=solo_mb, lost_grace_s=lost_grace_s,
-                              adapters=adapters)
-        if publish_metas is not None:
-            publish_metas(sender.metas)
-        sender.transport = transport.Sender(spec)
-        return sender
+
+        def connect(layout: list[TensorMeta]):
+            if publish_metas is not None:
+                publish_metas(layout)
+            if members is None:
+                return transport.Sender(spec)
+            return transport.Sender(spec, members=members)
+
+        return WeightSender(model, spec.me, bucket_mb, None, device, store,
+                            wire_dtype=wire_dtype, solo_mb=solo_mb, lost_grace_s=lost_grace_s,
+                            adapters=adapters, connect=connect)
     assert side == "receive" and metas is not None, side
     return WeightReceiver(metas, bucket_mb, transport.Receiver(spec), device, solo_mb,
                           replay=not adapters)
+
+
+def transport_spec(rt, me: int, groups: list[GroupSpec],
+                   options: dict | None = None) -> TransportSpec:
+    """One end of the weight sync (parallel/transports) of the running job (a runtime.setup.
+    Runtime): trainer rank `me` with its groups, or receiver `me` (1 + its index among the
+    generator ranks) with one group per trainer rank (the plan's, parallel/plan.py, or a
+    replacement's). `options`: the transport's own (TransportSpec.options)."""
+    sync, layout, plan = rt.cfg.sync, rt.layout, plan_for(rt)
+    # filesystem: a directory of this launch's own (run_id is new at every launch, a
+    # restart's included), so no run reads the files of another sharing transport_dir
+    directory = Path(sync.transport_dir or rt.run_dir / "weight_sync") / rt.run_id
+    if plan.weight_pairs:  # point to point on each pair group (torch_dist.Sender)
+        options = {**(options or {}), "pairs": True}
+    # resharded syncs broadcast to one tp rank's receivers: [trainer r, tp rank k of every
+    # engine] (gloo sends point to point and needs none)
+    tp_groups = [planned_spec(rt, g) for g in plan.reshard_groups_of(rt.role.rank)]
+    return TransportSpec(sync.transport, me, layout.trainer_ranks,
+                         len(layout.generator_global_ranks),
+                         tuple(groups), str(directory),
+                         sync.timeout_s, layout.tp, reshards(rt.cfg), tuple(tp_groups),
+                         (rt.env.master_addr, rt.env.master_port, rt.prefix), options or {})
+
+
+def open_sender(rt, model: torch.nn.Module) -> WeightSender:
+    """Trainer rank r's end of the weight sync, complete: on the plan's groups (torch
+    transport: wsync<r> = [trainer r, every generator rank], or one pair group per engine),
+    its shard layout published in the store for the engines (`wsync/meta/<r>`, read by
+    `engine_transport`'s callers), and, when the job survives engine losses, the members
+    that follow the roster (parallel/weight_members.py)."""
+    from llamarl.parallel.weight_members import EngineMembers, FileMembers
+
+    r, sync, plan = rt.role.index, rt.cfg.sync, plan_for(rt)
+    spec = transport_spec(rt, r, [planned_spec(rt, g) for g in plan.weight_groups(r)])
+    members = None
+    if plan.survives_engine_loss:  # engines lost and replaced
+        if sync.transport == "filesystem":
+            def members(transport):
+                return FileMembers(rt, spec.directory)
+        else:
+            def members(transport):
+                return EngineMembers(rt, transport.group,
+                                     transport.pairs if plan.weight_pairs else None)
+    # the engines hold model.dtype; the trainer's master weights may be wider (float32)
+    return open_weight_sync(
+        "send", spec, sync.bucket_mb, rt.device, sync.solo_mb, model=model, store=rt.store,
+        wire_dtype=getattr(torch, rt.cfg.model.dtype), lost_grace_s=sync.dead_peer_s + 5.0,
+        publish_metas=lambda metas: rt.store.set(f"wsync/meta/{r}", metas_to_json(metas)),
+        adapters=adapter_sync(rt.cfg), members=members)  # model.lora.sync adapters: A and B
+
+
+def engine_transport(rt) -> TransportSpec:
+    """This generator rank's end of the weight sync of the launch: receiver 1 + its index
+    among the generator ranks, on one plan group per trainer rank (trainer order)."""
+    me = 1 + rt.layout.generator_global_ranks.index(rt.role.rank)
+    return transport_spec(rt, me, [planned_spec(rt, g)
+                                   for g in plan_for(rt).receiver_groups(rt.role.rank)])
+
+
+def replacement_transport(rt, incarnation: str, first: int, options: dict) -> TransportSpec:
+    """A replacement engine's end (launch/join.py): tp rank k receives as receiver 1 + k on
+    a group of its own with each trainer rank, [trainer r, its tp ranks] (the filesystem
+    transport: the files of the engine it replaces, from sync `first` on)."""
+    e, k, tp = rt.role.index, rt.role.tp_rank, rt.layout.tp
+    if rt.cfg.sync.transport == "filesystem":
+        me = 1 + rt.layout.generator_global_ranks.index(rt.role.rank)
+        return transport_spec(rt, me, [], {**options, "first_sync": first})
+    return transport_spec(rt, 1 + k, [job_group_spec(rt, join_group_name(r, e, incarnation),
+                                                     1 + k, 1 + tp)
+                                      for r in range(rt.layout.trainer_ranks)], options)
 
 
 def announced_version(store, index: int) -> int:

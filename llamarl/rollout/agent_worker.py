@@ -29,7 +29,7 @@ import signal
 import threading
 import time
 
-from llamarl.envs import BUILTIN_AGENTS
+from llamarl.registry.envs import BUILTIN_AGENTS
 from llamarl.rewards.sandbox import spawn_worker
 from llamarl.rollout.env_worker import EnvPool, serve_calls
 

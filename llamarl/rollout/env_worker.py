@@ -44,8 +44,8 @@ Outcome = tuple[str, object]  # ("ok", value) | ("error", message) | ("timeout",
 
 
 def _resolve_env(name: str):
-    from llamarl.envs import BUILTIN_ENVS
     from llamarl.imports import import_path
+    from llamarl.registry.envs import BUILTIN_ENVS
     from llamarl.rollout.environment import Environment
 
     cls = import_path(BUILTIN_ENVS.get(name, name), f"rollout.env {name!r}")

@@ -27,7 +27,13 @@ import torch.distributed as dist
 
 from llamarl.errors import first_line
 from llamarl.runtime.dist_env import DistEnv
-from llamarl.parallel.groups import connect_store
+
+
+def connect_store(host: str, port: int, timeout_s: float,
+                  is_master: bool = False, world_size: int | None = None) -> dist.TCPStore:
+    """A TCPStore handle: the server when `is_master`, else a client of host:port."""
+    return dist.TCPStore(host, port, world_size, is_master,
+                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
 JOB_KEY = "llamarl/job"
 HANDSHAKE_S = 15.0  # a TCPStore answers its client's handshake at once

@@ -11,7 +11,7 @@ A replacement engine (`python -m llamarl.launch --join RUN_DIR`) takes its slot 
 
 The state is one JSON value in the job store (`roster`), changed under a store lock; every
 change bumps its `epoch`, which names the weight groups built for the engines alive then
-(trainer/weight_members.py). A slot is made by one engine at a time: `slot/<s>/holder` names
+(parallel/weight_members.py). A slot is made by one engine at a time: `slot/<s>/holder` names
 it, and is cleared when the holder is lost or hands the slot over.
 """
 
@@ -54,12 +54,6 @@ class RosterState:
     @classmethod
     def from_json(cls, text: str | bytes) -> RosterState:
         return cls(**json.loads(text))
-
-
-def join_group_name(trainer: int, engine: int, incarnation: str) -> str:
-    """The weight group of trainer rank `trainer` with (the tp ranks of) replacement
-    `incarnation` of engine `engine` (trainer/weight_members.py)."""
-    return f"wsync{trainer}/join{engine}.{incarnation}"
 
 
 class Roster:

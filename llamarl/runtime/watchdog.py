@@ -47,7 +47,8 @@ class Watchdog:
     def __init__(self, make_store: Callable[[], object], rank: int, layout: Layout,
                  dead_after_s: float, startup_grace_s: float = 600.0,
                  excuse: Callable[[object, int, str], bool] = lambda store, rank, cause: False,
-                 can_lose: Callable[[object, int], bool] = lambda store, rank: False):
+                 can_lose: Callable[[object, int], bool] = lambda store, rank: False,
+                 hosts_store: bool = False):
         self.make_store = make_store  # a fresh client connection for this thread
         self.rank = rank
         self.layout = layout
@@ -62,7 +63,7 @@ class Watchdog:
         self.can_lose = can_lose
         self.excused: set[int] = set()
         # on_lost(engine): called from the watchdog thread once this rank has excused a lost
-        # engine (trainer/weight_members.py aborts its NCCL pair groups: nothing else would
+        # engine (parallel/weight_members.py aborts its NCCL pair groups: nothing else would
         # end a send to it before sync.timeout_s)
         self.on_lost: list[Callable[[int], None]] = []
         self.pending: set[int] = set()  # dead ranks of an engine whose other ranks still run
@@ -88,7 +89,7 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         # whether this process hosts the job's store (rank 0 without torchrun's agent store:
         # srun), which its peers can no longer read once it has ended
-        self.hosts_store = False
+        self.hosts_store = hosts_store  # this process serves the job store (Slurm / plain rank 0)
         # held by whichever path ends this process (_die): the SIGTERM handler takes it before
         # it lingers, so that the watchdog thread, seeing the peers' "job was stopped"
         # reports meanwhile, does not end the process first with a peer's failure

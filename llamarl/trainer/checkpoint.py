@@ -44,42 +44,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from llamarl.errors import first_line
+from llamarl.runtime.run_dir import PARTIAL, checkpoint_dir, remove_partials
 from llamarl.trainer.lora import has_adapters, is_trainable
 
-PARTIAL = ".partial"
 TEST_PAUSE_ENV = "LLAMARL_TEST_CHECKPOINT_PAUSE_S"
-
-
-def checkpoint_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def latest(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint of a run directory, or None."""
-    root = checkpoint_dir(run_dir)
-    done = [p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(PARTIAL)
-            and (p / "meta.json").is_file()] if root.exists() else []
-    return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
-
-
-def find_resume(spec: str, output_dir: Path, name: str) -> Path | None:
-    """`run.resume`: "auto" = the newest complete checkpoint among runs named `name` under
-    `output_dir`; a checkpoint directory; or a run directory (its newest checkpoint)."""
-    if spec == "auto":
-        runs = sorted(Path(output_dir).glob(f"{name}-*"), key=lambda p: p.stat().st_mtime)
-        for run in reversed(runs):
-            found = latest(run)
-            if found is not None:
-                return found
-        return None
-    path = Path(spec)
-    if (path / "meta.json").is_file():
-        return path
-    found = latest(path)
-    if found is None:
-        raise ValueError(f"run.resume {spec!r} is neither a checkpoint nor a run directory with "
-                         "a complete checkpoint: pass one, or auto")
-    return found
 
 
 def save(run_dir: Path, step: int, model, optimizer, scheduler, meta: dict, keep: int,
@@ -183,15 +151,6 @@ def _one_line_errors(what: str, path: Path):
             fix = "check the checkpoint directory and the filesystem"
         raise RuntimeError(f"{what} {path} failed on trainer rank(s) {ranks}: "
                            f"{type(exc).__name__}: {cause}: {fix}") from None
-
-
-def remove_partials(run_dir: Path) -> list[Path]:
-    """Delete the half-written checkpoints a crash left in a run directory; returns them.
-    Only safe while no save is running in that directory (at resume, or inside `save`)."""
-    partials = sorted(checkpoint_dir(run_dir).glob(f"step_*{PARTIAL}"))
-    for partial in partials:
-        shutil.rmtree(partial, ignore_errors=True)
-    return partials
 
 
 def _prune(root: Path, keep: int) -> None:

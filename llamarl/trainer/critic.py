@@ -17,8 +17,14 @@ import warnings
 import torch
 
 from llamarl.config import Config
-from llamarl.parallel.fsdp import apply_fsdp, trainer_options
-from llamarl.trainer.policy import DTYPES, TokenBatch, model_inputs, scored, to_padded
+from llamarl.trainer.policy import (
+    DTYPES,
+    TokenBatch,
+    model_inputs,
+    scored,
+    shard_for_training,
+    to_padded,
+)
 from llamarl.trainer.step import PolicyTrainer
 
 
@@ -70,7 +76,7 @@ def build_critic(cfg: Config, policy_path: str, mesh, device: torch.device,
     """The critic's trainer (model + AdamW + schedule), sharded on the trainer mesh."""
     model = load_critic(cfg.critic.path or policy_path, cfg.trainer.master_dtype,
                         cfg.model.attn_implementation).to(device)
-    apply_fsdp(model, mesh, param_dtype=DTYPES[cfg.model.dtype], **trainer_options(cfg.trainer))
+    shard_for_training(model, mesh, cfg.trainer, DTYPES[cfg.model.dtype])
     c = cfg.critic
     tcfg = dataclasses.replace(cfg.trainer, lr=c.lr, weight_decay=c.weight_decay,
                                warmup_steps=c.warmup_steps, grad_clip=c.grad_clip)

@@ -28,25 +28,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from llamarl.algorithms.registry import ALGORITHMS
-from llamarl.buffer.channel import open_channel
+from llamarl.buffer.channels import open_channel
 from llamarl.buffer.record import RolloutBatch
-from llamarl.config import adapter_sync
-from llamarl.runtime.cores import threads_for
-from llamarl.runtime.roster import Roster
-from llamarl.runtime.setup import (
-    Runtime,
-    log,
-    pair_group_name,
-    survives_engine_loss,
-    weight_pairs,
-)
-from llamarl.parallel.fsdp import apply_fsdp, trainer_options
-from llamarl.parallel.weight_plan import metas_to_json
-from llamarl.parallel.weight_sender import WeightSender
-from llamarl.parallel.weight_sync import open_weight_sync
+from llamarl.parallel.plan import plan_for
+from llamarl.parallel.weight_sync import open_sender
+from llamarl.registry.algorithms import ALGORITHMS
 from llamarl.rewards.scorer import reward_metrics
 from llamarl.rollout.source import rollout_metrics
+from llamarl.runtime.cores import threads_for
+from llamarl.runtime.roster import Roster
+from llamarl.runtime.setup import Runtime, log
 from llamarl.timeline import Timeline
 from llamarl.trainer import checkpoint
 from llamarl.trainer.critic import build_critic
@@ -59,13 +50,12 @@ from llamarl.trainer.lora import (
     trainable_count,
 )
 from llamarl.trainer.metrics import MetricsLog, MismatchWatch
-from llamarl.trainer.policy import DTYPES, load_frozen, load_policy
+from llamarl.trainer.policy import DTYPES, load_frozen, load_policy, shard_for_training
 from llamarl.trainer.reward_model import build_reward_model
 from llamarl.trainer.rl_step import policy_step
 from llamarl.trainer.step import PolicyTrainer
 from llamarl.trainer.stop import StopRequest
 from llamarl.trainer.teacher import load_teacher, resolve_teacher_path
-from llamarl.trainer.weight_members import EngineMembers, FileMembers
 
 TRAINER_BACKEND = {"cuda": "cpu:gloo,cuda:nccl", "cpu": "gloo"}
 
@@ -105,31 +95,6 @@ def load_reference(cfg, model_path: str, mesh, device: torch.device,
     return load_frozen(model_path, cfg, mesh, device)
 
 
-def open_weight_sender(rt: Runtime, model: torch.nn.Module) -> WeightSender:
-    """Trainer r's end of the weight sync (torch transport: on wsync<r> = [trainer r (group
-    rank 0), every generator rank]); its shard layout goes to the store for the generators
-    (see generator.loop.join_weight_groups)."""
-    r, sync = rt.role.index, rt.cfg.sync
-    n_gen = len(rt.layout.generator_global_ranks)
-    pairs = weight_pairs(rt.cfg, rt.layout, rt.device)
-    groups = ([rt.group_spec(pair_group_name(r, e), 0, 1 + rt.layout.tp)
-               for e in range(rt.layout.engines)] if pairs else
-              [rt.group_spec(f"wsync{r}", 0, 1 + n_gen)])
-    spec = rt.weight_transport(r, groups)
-    # the engines hold model.dtype; the trainer's master weights may be wider (float32)
-    sender = open_weight_sync(
-        "send", spec, sync.bucket_mb, rt.device, sync.solo_mb, model=model, store=rt.store,
-        wire_dtype=DTYPES[rt.cfg.model.dtype], lost_grace_s=sync.dead_peer_s + 5.0,
-        publish_metas=lambda metas: rt.store.set(f"wsync/meta/{r}", metas_to_json(metas)),
-        adapters=adapter_sync(rt.cfg))  # model.lora.sync adapters: A and B alone
-    if survives_engine_loss(rt.cfg, rt.layout, rt.device):  # engines lost and replaced
-        sender.transport.members = (
-            FileMembers(rt, spec.directory) if sync.transport == "filesystem"
-            else EngineMembers(rt, sender.transport.group,
-                               sender.transport.pairs if pairs else None))
-    return sender
-
-
 def write_run_files(rt: Runtime, model_path: str, recipe: bool = True) -> None:
     """The run directory's model.json and recipe.yaml (what this run trains, as launched)."""
     from llamarl.config import config_to_yaml
@@ -153,7 +118,8 @@ def resolve_model_path(rt: Runtime, mesh) -> str:
     """The policy's HF directory; builds the embedded tiny model's warm start when needed."""
     spec = rt.cfg.model.path
     if spec.startswith("tiny:"):
-        from llamarl.tiny.warmstart import run_warm_start, warm_start_dir
+        from llamarl.models.tiny import warm_start_dir
+        from llamarl.trainer.warmstart import run_warm_start
 
         path = warm_start_dir(spec.split(":", 1)[1])
         if not (path / "config.json").is_file():
@@ -200,7 +166,7 @@ def run_trainer(rt: Runtime) -> None:
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     check_tokenizer(tokenizer, model_path)
-    apply_fsdp(model, mesh, param_dtype=DTYPES[cfg.model.dtype], **trainer_options(cfg.trainer))
+    shard_for_training(model, mesh, cfg.trainer, DTYPES[cfg.model.dtype])
     opt_steps = cfg.run.steps * cfg.algorithm.epochs * cfg.algorithm.mini_batches
     trainer = PolicyTrainer(model, cfg.trainer, opt_steps, T, rt.device,
                             cfg.generator.temperature, cfg.algorithm.entropy_coef > 0)
@@ -214,7 +180,7 @@ def run_trainer(rt: Runtime) -> None:
     if reward_model is not None:
         log(rt, f"reward model {cfg.reward.model_path} sharded over {T} trainer rank(s)")
 
-    sender = open_weight_sender(rt, model)
+    sender = open_sender(rt, model)
     sender.guard(trainer.opt)  # large shards are sent straight from the parameters
     channels = [open_channel(rt, e, r, "consumer") for e in range(rt.layout.engines)]
     log(rt, "rollout channels: " + ", ".join(f"{ch.channel} over {ch.transport}"
@@ -229,7 +195,7 @@ def run_trainer(rt: Runtime) -> None:
 
     timeline = Timeline(rt.run_dir, rt.role.rank, rt.role.name)
     roster = (Roster(rt.store, rt.layout.engines)
-              if r == 0 and survives_engine_loss(cfg, rt.layout, rt.device) else None)
+              if r == 0 and plan_for(rt).survives_engine_loss else None)
     version, dropped_total, k = 0, 0, cfg.sync.max_staleness
     resume = rt.resume
     # Per engine, the prompt loader's state after the last batch trained on (saved in every

@@ -11,32 +11,6 @@ from pathlib import Path
 TB_FLUSH_S = 10  # TensorBoard shows a running job's scalars at most this late
 
 
-def truncate_after(run_dir: Path, step: int) -> int:
-    """Resuming at `step`: drop the rows of metrics.jsonl, eval.jsonl and samples/train.jsonl
-    beyond it, and the evaluations' samples/eval_<k>.jsonl of k > step (they are about to be
-    produced again), so each step appears once. Returns the rows dropped (metrics and eval)."""
-    for path in Path(run_dir).glob("samples/eval_*.jsonl"):
-        if int(path.stem.removeprefix("eval_")) > step:
-            path.unlink()
-    dropped = 0
-    for name in ("metrics.jsonl", "eval.jsonl", "samples/train.jsonl"):
-        path = Path(run_dir) / name
-        if not path.is_file():
-            continue
-        keep = []
-        for line in path.read_text().splitlines():
-            try:
-                row_step = json.loads(line)["step"]
-            except (ValueError, KeyError, TypeError):  # a line torn by the crash
-                row_step = step + 1
-            if row_step <= step:
-                keep.append(line)
-            elif name != "samples/train.jsonl":
-                dropped += 1
-        path.write_text("".join(x + "\n" for x in keep))
-    return dropped
-
-
 # The least "usual" mismatch the alarm compares against, nats per token: a run whose engine
 # and trainer agree to float32 rounding (mismatch_kl ~1e-10) would otherwise be reported for a
 # bf16-sized 1e-8. With the default factor 10 a step is reported from mismatch_kl 0.1 on.

@@ -8,6 +8,7 @@ import torch
 
 from llamarl.buffer.record import segment_ids, segment_positions
 from llamarl.trainer import varlen_attention
+from llamarl.trainer.device import tensor_to
 from llamarl.trainer.shared_prompts import SharedPromptRows, share_prompts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -20,6 +21,20 @@ def load_policy(path: str, dtype: str, attn_implementation: str = "sdpa") -> tor
         path, dtype=DTYPES[dtype],
         attn_implementation=varlen_attention.implementation(attn_implementation))
     model.config.use_cache = False
+    return model
+
+
+def shard_for_training(model: torch.nn.Module, mesh, trainer_cfg,
+                       param_dtype: torch.dtype) -> torch.nn.Module:
+    """FSDP2 for a model the RL update trains (the policy, PPO's critic), with the recipe's
+    `trainer` options (parallel/fsdp.py); trainer.compile compiles the LM head's softmax
+    passes too (trainer/linear_logprobs.py: process-wide, like the partitioner's budget)."""
+    from llamarl.parallel.fsdp import apply_fsdp, trainer_options
+    from llamarl.trainer import linear_logprobs
+
+    apply_fsdp(model, mesh, param_dtype=param_dtype, **trainer_options(trainer_cfg))
+    if trainer_cfg.compile:
+        linear_logprobs.use_compiled(True)
     return model
 
 
@@ -163,15 +178,10 @@ class TokenBatch:
 
 
 def to_device(t, device: torch.device):
-    """`t` (a tensor or a PackedRows) on `device`. A CPU tensor bound for a GPU goes through
-    pinned memory without blocking: a copy from pageable memory makes the host wait until the
-    device has run everything queued before it, so each micro-batch's inputs drained the
-    GPU's queue while the host had the whole forward still to launch."""
+    """`t` (a tensor, a PackedRows or SharedPromptRows) on `device` (device.tensor_to)."""
     if isinstance(t, (PackedRows, SharedPromptRows)):
         return t.to(device)
-    if device.type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+    return tensor_to(t, device)
 
 
 def model_inputs(batch: TokenBatch) -> dict[str, torch.Tensor]:

@@ -39,8 +39,8 @@ from llamarl.algorithms.distill import distill_advantages
 from llamarl.algorithms.gae import gae, masked_whiten, reward_to_go, token_rewards, value_loss
 from llamarl.algorithms.kl import kl_estimate
 from llamarl.algorithms.policy_loss import aggregate, policy_loss
-from llamarl.algorithms.registry import ALGORITHMS, advantage_name
 from llamarl.buffer.record import RolloutBatch
+from llamarl.registry.algorithms import ALGORITHMS, advantage_name
 from llamarl.trainer import critic as critic_mod
 from llamarl.trainer.policy import TokenBatch, pad_rollouts, token_logprobs
 from llamarl.trainer.step import PolicyTrainer

@@ -44,6 +44,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from llamarl.trainer.device import tensor_to
+
 
 @dataclass
 class SharedPromptRows:
@@ -65,10 +67,8 @@ class SharedPromptRows:
     tokens: int
 
     def to(self, device: torch.device) -> SharedPromptRows:
-        from llamarl.trainer.policy import to_device
-
         return SharedPromptRows(**{f.name: getattr(self, f.name) if f.name == "tokens"
-                                   else to_device(getattr(self, f.name), device)
+                                   else tensor_to(getattr(self, f.name), device)
                                    for f in fields(self)})
 
     def scored(self, x: torch.Tensor) -> torch.Tensor:

@@ -18,9 +18,8 @@ from test_distill import LAYOUTS, multi_turn_batch  # noqa: E402
 from trainer_world import exit_process, trainer_world  # noqa: E402
 
 from llamarl.config import load_config  # noqa: E402
-from llamarl.parallel.fsdp import apply_fsdp, trainer_options  # noqa: E402
 from llamarl.tiny.model import build_tokenizer  # noqa: E402
-from llamarl.trainer.policy import load_policy, pad_rollouts  # noqa: E402
+from llamarl.trainer.policy import load_policy, pad_rollouts, shard_for_training  # noqa: E402
 from llamarl.trainer.rl_step import MicroBatching, _filler, no_grad_passes, policy_step  # noqa
 from llamarl.trainer.step import PolicyTrainer  # noqa: E402
 from llamarl.trainer.teacher import load_teacher  # noqa: E402
@@ -47,7 +46,7 @@ if __name__ == "__main__":
         out[layout] = logps["teacher"]
 
     model = load_policy(path, "float32")
-    apply_fsdp(model, mesh, param_dtype=torch.float32, **trainer_options(cfg.trainer))
+    shard_for_training(model, mesh, cfg.trainer, torch.float32)
     trainer = PolicyTrainer(model, cfg.trainer, 1, world, device)
     before = full(model)
     stats = policy_step(trainer, mine, cfg, 0, teacher=teacher)

@@ -37,6 +37,7 @@ from llamarl.buffer.record import split_groups  # noqa: E402
 from llamarl.config import load_config  # noqa: E402
 from llamarl.parallel.fsdp import apply_fsdp  # noqa: E402
 from llamarl.parallel.weight_sender import WeightSender  # noqa: E402
+from llamarl.runtime.run_dir import latest  # noqa: E402
 from llamarl.tiny.model import build_model  # noqa: E402
 from llamarl.trainer import checkpoint  # noqa: E402
 from llamarl.trainer.loop import load_reference  # noqa: E402
@@ -122,12 +123,12 @@ if __name__ == "__main__":
     model2, _ = lora_policy(cfg, mesh)
     trainer2 = PolicyTrainer(model2, cfg.trainer, 2, world, device)
     ref2 = load_reference(cfg, "", mesh, device, policy=model2)
-    checkpoint.load(checkpoint.latest(run), model2, trainer2.opt, trainer2.sched)
+    checkpoint.load(latest(run), model2, trainer2.opt, trainer2.sched)
     policy_step(trainer2, batches[1], cfg, tok.pad_token_id, reference=ref2)
     out["resumed"] = {k: v for k, v in full(model2.state_dict()).items() if is_trainable(k)}
     out["adapters_1"] = adapters_1
-    out["checkpoint"] = str(checkpoint.latest(run))
-    out["checkpoint_files"] = sorted(p.name for p in checkpoint.latest(run).iterdir())
+    out["checkpoint"] = str(latest(run))
+    out["checkpoint_files"] = sorted(p.name for p in latest(run).iterdir())
 
     # bfloat16 compute: the frozen base stored in bfloat16 against a float32 base that FSDP2
     # casts for every forward

@@ -1,7 +1,7 @@
 """torchrun --nproc-per-node 3 on 3 GPUs: rank 0 is a trainer's sender with a pair group to
 each of two engines (ranks 1 and 2; sync.weight_groups pairs, NCCL), sending point to point as
 torch_dist.Sender does. After one good sync engine 2 dies (os._exit). The sender's next send
-to it holds; aborting that pair group (what trainer/weight_members.py does once the watchdog
+to it holds; aborting that pair group (what parallel/weight_members.py does once the watchdog
 excuses the engine) must end it, and the pair with engine 1 must go on working. Writes
 $OUT.0 (JSON)."""
 
@@ -14,7 +14,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from llamarl.parallel.groups import GroupSpec, connect_store, make_group
+from llamarl.parallel.groups import GroupSpec, make_group
+from llamarl.runtime.job_store import connect_store
 
 if __name__ == "__main__":
     rank = int(os.environ["RANK"])

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from llamarl.buffer.shm import sweep_run
 from llamarl.config import load_config
 from llamarl.runtime.dist_env import from_environ
 from llamarl.runtime.layout import compute_layout
@@ -34,8 +35,9 @@ def trainer(rt, model_dir):
 
     from llamarl.config import adapter_sync
     from llamarl.parallel.fsdp import apply_fsdp
-    from llamarl.tiny.warmstart import sft_batches
-    from llamarl.trainer.loop import init_trainer_group, open_weight_sender
+    from llamarl.parallel.weight_sync import open_sender as open_weight_sender
+    from llamarl.trainer.warmstart import sft_batches
+    from llamarl.trainer.loop import init_trainer_group
     from llamarl.trainer.lora import add_adapters, merged_state_dict
     from llamarl.trainer.policy import load_policy
     from llamarl.trainer.step import PolicyTrainer
@@ -182,7 +184,8 @@ if __name__ == "__main__":
     env = from_environ()
     tp, engines = int(os.environ.get("TP", "1")), int(os.environ.get("ENGINES", "1"))
     cfg.generator.tp, cfg.generator.engines = tp, engines
-    rt = setup(cfg, compute_layout(env.world_size, env.local_world_size, 2, engines, tp), env)
+    rt = setup(cfg, compute_layout(env.world_size, env.local_world_size, 2, engines, tp), env,
+               cleanups=(sweep_run,))
     (trainer if rt.role.role == "trainer" else generator)(rt, model_dir)
     if rt.role.role != "trainer":  # vLLM's tp segments (cpu_fixes), as the launcher's end does
         rt.cleanup_shared_memory()

@@ -21,7 +21,7 @@ its files would stay. Each receiver then also records the last sync it has read 
 
     <dir>/read.<j>                         receiver j has read every sync up to this one
 
-and the sender's `members` (trainer/weight_members.py: FileMembers, which knows the roster)
+and the sender's `members` (parallel/weight_members.py: FileMembers, which knows the roster)
 says below which sync every live receiver, and every replacement about to start, is done:
 the sender removes those syncs' directories whole at its next sync. A replacement receives
 from the sync the trainers chose for it (TransportSpec.options["first_sync"]) under the
@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -69,11 +70,13 @@ def _sync_dir(spec: TransportSpec, sender: int, sync: int) -> Path:
 
 
 class Sender(SenderTransport):
-    def __init__(self, spec: TransportSpec):
+    def __init__(self, spec: TransportSpec,
+                 members: Callable[[Sender], SweepMembers] | None = None):
         super().__init__(spec)
         self.sync = -1
         self._old: list[Path] = []  # directories of earlier syncs, removed once empty
-        self.members: SweepMembers | None = None  # engines can be lost (module docstring)
+        # engines can be lost (module docstring): who has read what
+        self.members: SweepMembers | None = members(self) if members is not None else None
 
     def begin(self) -> None:
         self.sync += 1

@@ -4,7 +4,7 @@ generator rank form the group `wsync<r>` (group rank 0 = the sender, receiver j 
 On gloo (CPU) every bucket goes to each receiver as a point-to-point send, all posted at once
 (groups.point_to_point says why); on NCCL (GPU) as one broadcast. Which receivers get a sync
 is `Members`' answer: every other member by default, the engines alive when engines can be
-lost and replaced (trainer/weight_members.py, which also gives a replacement a group of its
+lost and replaced (parallel/weight_members.py, which also gives a replacement a group of its
 own). A broadcast cannot leave a member out: with one NCCL group a lost engine fails the job.
 
 Pair groups (`spec.options["pairs"]`, sync.weight_groups; runtime.weight_pairs): sender r has a
@@ -32,7 +32,7 @@ from llamarl.parallel.transports.base import (
 class Members:
     """Who receives a sender's syncs on gloo point to point: (receiver, group, group rank)
     for every receiver, and which receivers are lost. This default: every member of the
-    sender's group but itself, none lost (trainer/weight_members.py knows the roster)."""
+    sender's group but itself, none lost (parallel/weight_members.py knows the roster)."""
 
     def __init__(self, group: Callable[[], dist.ProcessGroup]):
         self.group = group
@@ -57,7 +57,9 @@ class PairMembers(Members):
 
 class Sender(SenderTransport):
     def __init__(self, spec: TransportSpec, group: dist.ProcessGroup | None = None,
-                 members: Members | None = None):
+                 members: Callable[[Sender], Members] | None = None):
+        """`members(self)`: who receives, once the groups are built (parallel/
+        weight_members.py, when engines can be lost); by default every member, none lost."""
         super().__init__(spec)
         self.pairs: list[dist.ProcessGroup] = []  # pair groups: one per engine
         if spec.options.get("pairs") and group is None:
@@ -66,11 +68,13 @@ class Sender(SenderTransport):
             self.pairs = [make_group(g) for g in spec.groups]
             self.group = None
             self.point_to_point = True
-            self.members = members or PairMembers(self.pairs, spec.tp)
+            self.members = (members(self) if members is not None
+                            else PairMembers(self.pairs, spec.tp))
         else:
             self.group = group if group is not None else make_group(spec.groups[0])
             self.point_to_point = point_to_point(self.group)
-            self.members = members or Members(lambda: self.group)
+            self.members = (members(self) if members is not None
+                            else Members(lambda: self.group))
         self._targets: list[tuple[int, dist.ProcessGroup, int]] = []
         # broadcasts to one tp rank's receivers (NCCL, tp > 1; point to point needs none)
         self.tp_groups = ([] if self.point_to_point else
@@ -79,7 +83,8 @@ class Sender(SenderTransport):
     @classmethod
     def over(cls, group: dist.ProcessGroup, members: Members | None = None) -> Sender:
         """A sender on a group built elsewhere (group rank 0 = this sender)."""
-        return cls(TransportSpec("torch", 0, 1, group.size() - 1), group, members)
+        return cls(TransportSpec("torch", 0, 1, group.size() - 1), group,
+                   None if members is None else (lambda sender: members))
 
     def begin(self) -> None:
         self._targets = self.members.targets() if self.point_to_point else []

@@ -4,15 +4,14 @@ A randomly initialised policy never samples a correct reversal, so GRPO would se
 advantages. The warm start trains the same FSDP2 trainer (`PolicyTrainer`) with the supervised
 loss below for a deliberately small number of steps: the policy learns the format and part of
 the task, and RL has the rest to learn. The result is cached under
-$LLAMARL_CACHE (default ~/.cache/llamarl) keyed by a hash of everything that shapes it.
+$LLAMARL_CACHE (default ~/.cache/llamarl) keyed by a hash of everything that shapes it
+(llamarl/models/tiny.py: warm_start_dir, and the recipe's constants).
 
     L_sft = -(1 / N_tokens) * sum_{i,t} log pi_theta(y_it | x_i, y_i<t)    over answer + EOS tokens
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 
 import torch
@@ -20,35 +19,12 @@ import torch.distributed as dist
 
 from llamarl.buffer.record import RolloutBatch, Sample
 from llamarl.config import TrainerConfig
-from llamarl.models import cache_root
+from llamarl.models.tiny import LOOKUP_TOOL_SHARE, SEED, SFT_BATCH, SFT_LR, SFT_STEPS
 from llamarl.tiny import lookup
 from llamarl.tiny import task as tasks
 from llamarl.tiny.model import build_model, save_hf_dir
 from llamarl.trainer.policy import TokenBatch, collate, pad_rollouts
 from llamarl.trainer.step import PolicyTrainer
-
-# per task: SFT steps (the multi-turn format takes longer to learn than reversal)
-SFT_STEPS = {"reverse": 30, "lookup": 600}
-SFT_BATCH = 64  # global sequences per step
-SFT_LR = 2e-3
-SEED = 1234
-VERSION = 1  # bump when the recipe below changes
-# lookup: the share of warm-start episodes that use the tool (the others guess), so the
-# policy starts out calling it sometimes and RL has the rest to learn
-LOOKUP_TOOL_SHARE = 0.3
-
-
-def warm_start_dir(task: str) -> Path:
-    model, tok = build_model(SEED)
-    shape = {"alphabet": tasks.ALPHABET, "lens": [tasks.MIN_LEN, tasks.MAX_LEN]}
-    if task == "lookup":  # a new key, so the reverse task's cache path is unchanged
-        shape = {"keys": lookup.KEYS, "n": [lookup.MIN_KEYS, lookup.MAX_KEYS],
-                 "tool_share": LOOKUP_TOOL_SHARE}
-    blob = json.dumps({"config": model.config.to_dict(), "vocab": tok.get_vocab(), "task": task,
-                       **shape, "steps": SFT_STEPS.get(task, 0), "batch": SFT_BATCH,
-                       "lr": SFT_LR, "seed": SEED, "version": VERSION}, sort_keys=True,
-                      default=str)
-    return cache_root() / f"tiny-{task}-{hashlib.sha1(blob.encode()).hexdigest()[:10]}"
 
 
 def sft_batches(tok, step: int, rank: int, dp: int, micro: int,

@@ -1,4 +1,4 @@
-"""`python -m llamarl.models.check MODEL_DIR [--adapter PEFT_DIR]`: transformers and vLLM
+"""`python -m llamarl.model_check MODEL_DIR [--adapter PEFT_DIR]`: transformers and vLLM
 generate the same greedy tokens from a converted or exported model (models/smollm2.py runs it
 once, before caching a conversion). With `--adapter`, from MODEL_DIR with a PEFT LoRA adapter
 directory on it (`llamarl.export` writes OUT_DIR/adapter): PEFT's PeftModel in transformers,
@@ -132,7 +132,7 @@ def check(model_dir: str, max_tokens: int = 12, adapter: str | None = None) -> s
 def main() -> int:
     args = sys.argv[1:]
     if len(args) not in (1, 3) or (len(args) == 3 and args[1] != "--adapter"):
-        print("usage: python -m llamarl.models.check MODEL_DIR [--adapter PEFT_DIR]",
+        print("usage: python -m llamarl.model_check MODEL_DIR [--adapter PEFT_DIR]",
               file=sys.stderr)
         return 2
     problem = check(args[0], adapter=args[2] if len(args) == 3 else None)

@@ -24,11 +24,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from llamarl.runtime.roster import Roster, join_group_name
-from llamarl.runtime.setup import Runtime, log
-from llamarl.parallel.groups import make_group
+from llamarl.parallel.groups import job_group_spec, make_group
+from llamarl.parallel.plan import join_group_name
 from llamarl.parallel.transports.filesystem import read_mark
 from llamarl.parallel.transports.torch_dist import Members
+from llamarl.runtime.roster import Roster
+from llamarl.runtime.setup import Runtime, log
 
 
 def replacement_start(rt: Runtime, e: int, n: str, sync: int) -> int | None:
@@ -120,8 +121,8 @@ class EngineMembers(Members):
         start = replacement_start(self.rt, e, n, i)
         if start is None or start > i:
             return None
-        spec = self.rt.group_spec(join_group_name(self.rt.role.index, e, n), 0,
-                                  1 + self.rt.layout.tp)
+        spec = job_group_spec(self.rt, join_group_name(self.rt.role.index, e, n), 0,
+                              1 + self.rt.layout.tp)
         self.pairs[e] = (n, make_group(spec))  # a rendezvous with the replacement
         if self.rt.role.index == 0:
             log(self.rt, f"sending weights to replacement engine {e} from sync {i}")

@@ -1,0 +1,25 @@
+"""The rollout channels of a job: channel e<e>t<r> carries engine e's batches to trainer rank r,
+through shared memory when both ends share a node (buffer/shm.py), else over the pair group
+the communication plan names for it (buffer/dist_channel.py, parallel/plan.py)."""
+
+from __future__ import annotations
+
+from llamarl.buffer.channel import Channel
+from llamarl.buffer.dist_channel import DistChannel
+from llamarl.buffer.shm import ShmChannel
+from llamarl.parallel.plan import channel_name, plan_for
+
+
+def open_channel(rt, engine: int, trainer: int, side: str,
+                 takeover: str | None = None) -> Channel:
+    """The channel engine -> trainer rank, from either side ("producer" | "consumer").
+    `takeover`: a producer continuing the channel of a lost one (unique name; see adopt and
+    dist_channel.py)."""
+    name = channel_name(engine, trainer)
+    if plan_for(rt).rollout_group(engine, trainer) is None:  # one node: shared memory
+        return ShmChannel(rt.store, rt.run_id, name, rt.cfg.buffer.capacity, rt.watchdog.check,
+                          make_store=rt.new_store if side == "consumer" else None)
+    # the consumer follows takeovers when engines can be lost (dist_channel.py)
+    follow = side == "consumer" and plan_for(rt).survives_engine_loss
+    return DistChannel(rt, name, side, rt.cfg.buffer.capacity, follow=follow,
+                       takeover=takeover)
