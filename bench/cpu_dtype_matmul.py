@@ -4,8 +4,9 @@ model.dtype = auto picks float32 on a CPU without bfloat16 products (llamarl/mod
     python bench/cpu_dtype_matmul.py   # a table; bench/results/cpu_dtype_matmul_<avx2|...>.json
 
 Each product runs once to warm up, then `--repeats` times (fewer for a product over 10 s); the
-median is reported. Shapes (torch's threads as the recipe's rank gets them: 2 on the 2-core
-machine):
+median is reported (each product's repeats under "float32_s_all" and "bfloat16_s_all"; the
+file has the schema's keys of bench/harness.py). Shapes (torch's threads as the recipe's rank
+gets them: 2 on the 2-core machine):
   square        [2048, 2048] x [2048, 2048]                      17.2 GFLOP
   linear        [740, 576] x [576, 1536]^T   a micro-batch's MLP up-projection, forward
   grad_input    [740, 1536] x [1536, 576]    its input gradient (g @ W)
@@ -16,16 +17,11 @@ machine):
 
 from __future__ import annotations
 
-import argparse
-import json
 import platform
-import statistics
 import time
-from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
+from harness import RESULTS, bench_parser, median, time_calls, write_result
 
 
 def shapes() -> dict[str, tuple[tuple[int, ...], tuple[int, ...], bool]]:
@@ -43,25 +39,18 @@ def product(a: torch.Tensor, b: torch.Tensor, b_t: bool | None) -> torch.Tensor:
     return torch.nn.functional.linear(a, b) if b_t else a @ b
 
 
-def time_one(a, b, b_t, repeats: int) -> float:
+def time_one(a, b, b_t, repeats: int) -> list[float]:
+    """Seconds of each timed run of the product (one, when the warm-up took over 10 s)."""
     t0 = time.perf_counter()
     product(a, b, b_t)  # warm-up (oneDNN creates its primitive)
     first = time.perf_counter() - t0
-    n = 1 if first > 10 else repeats
-    runs = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        product(a, b, b_t)
-        runs.append(time.perf_counter() - t0)
-    return statistics.median(runs)
+    return time_calls(lambda: product(a, b, b_t), 1 if first > 10 else repeats, warmup=0)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", default="", help="default: bench/results/cpu_dtype_matmul_"
-                   "<torch's CPU capability>.json")
-    args = p.parse_args()
+    # --out's default, bench/results/cpu_dtype_matmul_<torch's CPU capability>.json, is named
+    # once the capability is known
+    args = bench_parser("cpu_dtype_matmul", __doc__, repeats=5, out="").parse_args()
     from llamarl.models.precision import cpu_bfloat16_is_fast, resolve_dtype
 
     torch.manual_seed(0)
@@ -71,10 +60,13 @@ def main() -> None:
         m, k = (sa[1], sa[0]) if b_t is None else sa
         n = sb[0] if b_t else sb[1]
         gflop = 2 * m * n * k / 1e9
-        f32 = time_one(a32, b32, b_t, args.repeats)
-        b16 = time_one(a32.bfloat16(), b32.bfloat16(), b_t, args.repeats)
+        f32_all = time_one(a32, b32, b_t, args.repeats)
+        b16_all = time_one(a32.bfloat16(), b32.bfloat16(), b_t, args.repeats)
+        f32, b16 = median(f32_all), median(b16_all)
         rows[name] = {"gflop": round(gflop, 2), "float32_s": round(f32, 4),
-                      "bfloat16_s": round(b16, 4), "bfloat16_over_float32": round(b16 / f32, 2)}
+                      "bfloat16_s": round(b16, 4), "bfloat16_over_float32": round(b16 / f32, 2),
+                      "float32_s_all": [round(x, 4) for x in f32_all],
+                      "bfloat16_s_all": [round(x, 4) for x in b16_all]}
         print(f"{name:12s} {gflop:6.2f} GFLOP  float32 {f32:8.4f} s  bfloat16 {b16:8.4f} s  "
               f"{b16 / f32:7.2f}x", flush=True)
     out = {"cpu": platform.processor() or platform.machine(),
@@ -88,9 +80,8 @@ def main() -> None:
                                  open("/proc/cpuinfo") if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    path = Path(args.out or ROOT / "bench/results" /
-                f"cpu_dtype_matmul_{out['capability'].lower()}.json")
-    path.write_text(json.dumps(out, indent=1) + "\n")
+    path = write_result("cpu_dtype_matmul", out, args, out=args.out or RESULTS /
+                        f"cpu_dtype_matmul_{out['capability'].lower()}.json")
     print(f"{out['capability']}, fast bfloat16: {out['cpu_bfloat16_is_fast']}, auto -> "
           f"{out['auto_resolves_to']}; wrote {path}")
 

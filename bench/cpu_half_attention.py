@@ -12,7 +12,8 @@ one process, so the machine's drift hits all alike.
 Workloads as bench/micro_batch_order.py's: `tiny` (the 2-engine recipe's update, 64 prompts
 x 8 samples, micro-batches of 256 samples, shared prompts) and `gen24m` (the 24M model, long
 answers). Reports the median and minimum seconds per update over --repeats and each
-median's ratio to float32's; written to bench/results/cpu_half_attention[_gen24m].json.
+median's ratio to float32's; written to bench/results/cpu_half_attention[_gen24m].json, with
+the schema's keys of bench/harness.py.
 
     python bench/cpu_half_attention.py                     # part of make bench
     python bench/cpu_half_attention.py --workload gen24m
@@ -36,7 +37,7 @@ VARIANTS = {"float32": (torch.float32, True), "bf16_attn_bf16": (torch.bfloat16,
 
 
 def main() -> None:
-    args, repeats, path = setup("variant", 4)
+    args, repeats, path = setup("cpu_half_attention", __doc__, "variant", 4)
     from transformers import AutoTokenizer
 
     from llamarl.config import load_config
@@ -78,7 +79,7 @@ def main() -> None:
     print(json.dumps({k: v for k, v in out.items() if not isinstance(v, dict)
                       or "update_s_all" not in v} | {
         n: round(out[n]["update_s_median"], 4) for n in VARIANTS}, indent=1))
-    finish("cpu_half_attention", args.workload, out, path)
+    finish("cpu_half_attention", args, out, path)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ micro-batches of 64).
     concat_drop     the trainer's concat of its parts + the staleness filter
     micro_batches   one rank's padded micro-batches with advantages attached
 
-Medians over --repeats in milliseconds, written to bench/results/data_path.json. The
+Medians over --repeats in milliseconds, written to bench/results/data_path.json (with the
+schema's keys of bench/harness.py, the raw repeats under "after_all"). The
 "before" figures in that file were measured with the same shapes on the per-row record
 (commit 8c15b25: tensor -> list -> tensor in split/select, a second copy on receive,
 per-micro-batch collation).
@@ -19,15 +20,13 @@ per-micro-batch collation).
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
-import statistics
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from harness import bench_parser, median, write_result
 from torch.distributed import TCPStore
 
 from llamarl.buffer.record import RolloutBatch, Sample, split_groups
@@ -59,10 +58,7 @@ def engine_groups(prompts: int, samples: int, seed: int = 0) -> list[ScoredGroup
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--repeats", type=int, default=30)
-    ap.add_argument("--out", default="bench/results/data_path.json")
-    args = ap.parse_args()
+    args = bench_parser("data_path", __doc__, repeats=30).parse_args()
     groups = engine_groups(64, 8)
     store = TCPStore("127.0.0.1", 0, 1, True)
     run_id = f"benchdp{time.monotonic_ns()}"
@@ -103,13 +99,14 @@ def main() -> None:
             times["micro_batches"].append(time.perf_counter() - t)
     finally:
         sweep_run(run_id)
-    after = {k: round(statistics.median(v) * 1e3, 3) for k, v in times.items()}
+    after = {k: round(median(v) * 1e3, 3) for k, v in times.items()}
     after["total"] = round(sum(after.values()), 3)
     result = {"unit": "ms per rollout batch (median)", "repeats": args.repeats,
               "before_8c15b25": BEFORE_8C15B25, "after": after,
-              "speedup": round(BEFORE_8C15B25["total"] / after["total"], 2)}
-    print(json.dumps(result, indent=1))
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+              "speedup": round(BEFORE_8C15B25["total"] / after["total"], 2),
+              "after_all": {k: [round(x * 1e3, 3) for x in v] for k, v in times.items()}}
+    print(json.dumps({k: v for k, v in result.items() if k != "after_all"}, indent=1))
+    print(f"wrote {write_result('data_path', result, args)}")
 
 
 if __name__ == "__main__":

@@ -12,22 +12,20 @@ drift hits all alike:
 
 Reports per variant the median seconds per call over --calls (the first 3 skipped), its ratio
 to `default`, and whether its samples (token ids and logprobs) equal the default's: they must.
-Written to bench/results/engine_overheads.json.
+Written to bench/results/engine_overheads.json, with the schema's keys of bench/harness.py.
 
     python bench/engine_overheads.py [--recipe recipes/tiny_grpo_2engines_cpu.yaml] [--calls 40]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from harness import ROOT, bench_parser, median, write_result
+
 sys.path.insert(0, str(ROOT))
 VARIANTS = ("default", "vllm_logprobs", "prefix_cache_on")
 
@@ -55,11 +53,10 @@ def build_engine(variant: str, model_dir: str, cfg):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = bench_parser("engine_overheads", __doc__)
     ap.add_argument("--recipe", default="recipes/tiny_grpo_2engines_cpu.yaml")
     ap.add_argument("--calls", type=int, default=40)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    ap.add_argument("--out", default=str(ROOT / "bench/results/engine_overheads.json"))
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from llamarl.config import load_config
@@ -97,17 +94,17 @@ def main() -> None:
             samples[v] = [(c.token_ids, c.logprobs) for grp in groups for c in grp]
         for v in variants:
             same[v] = same[v] and samples[v] == samples["default"]
-    base = statistics.median(times["default"][3:])
+    base = median(times["default"][3:])
     out = {"recipe": args.recipe, "calls": args.calls,
            "prompts_per_call": g.prompts_per_step // g.engines,
            "samples_per_prompt": g.samples_per_prompt, "threads": os.environ["OMP_NUM_THREADS"]}
     for v in variants:
-        med = statistics.median(times[v][3:])
+        med = median(times[v][3:])
         out[v] = {"s_per_call_median": med, "over_default": med / base,
                   "same_samples_as_default": same[v], "s_all": times[v]}
         print(f"{v:16s} {med:.4f} s per call  {med / base:.3f}x default  "
               f"same samples: {same[v]}")
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {write_result('engine_overheads', out, args)}")
 
 
 if __name__ == "__main__":

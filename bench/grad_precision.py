@@ -1,11 +1,12 @@
 """How close is one GRPO update's gradient, in each precision, to the float32 gradient?
 
 The SmolLM2 recipe learns more slowly per step in bfloat16 than in float32 or than TRL under
-bf16 autocast (docs/measured.md). This measures the trainer's side of that on one real batch:
-16 training prompts of `recipes/smollm2_add_cpu.yaml` (chat-templated), 8 completions each
-sampled at T = 1 from the float32 model (HF `generate`), rewarded by the `numeric` verifier,
-with the float32 model's logprobs as the behaviour logprobs (ratio 1: on-policy). Gradients of
-the recipe's loss (GRPO advantages, PPO clip, token_mean) over the whole batch:
+bf16 autocast (docs/measured/smollm2_vs_trl.md). This measures the trainer's side of that on
+one real batch: 16 training prompts of `recipes/smollm2_add_cpu.yaml` (chat-templated), 8
+completions each sampled at T = 1 from the float32 model (HF `generate`), rewarded by the
+`numeric` verifier, with the float32 model's logprobs as the behaviour logprobs (ratio 1:
+on-policy). Gradients of the recipe's loss (GRPO advantages, PPO clip, token_mean) over the
+whole batch:
 
 * `hf_float32`: transformers' model in float32, plain autograd (the reference, G);
 * `hf_autocast`: the same under `torch.autocast("cpu", bfloat16)` (TRL's bf16 precision);

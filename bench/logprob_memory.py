@@ -5,18 +5,21 @@ positions, recomputed in backward) or from whole [B, T, V] logits and one float3
 over the process's size before the step). A 32k-vocabulary Qwen2 (hidden 256, 2 layers) on a
 micro-batch of 8 x 1024 tokens: the logits dominate, as in LLM RL.
 
-    python bench/logprob_memory.py
+    python bench/logprob_memory.py [--repeats 3]
+
+Medians over --repeats fresh processes, each run's figures under "runs"; written to
+bench/results/logprob_memory.json with the schema's keys of bench/harness.py.
 """
 
 from __future__ import annotations
 
 import json
 import resource
-import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
+
+from harness import bench_parser, median, write_result
 
 VOCAB, B, T = 32_000, 8, 1024
 
@@ -44,24 +47,30 @@ def one(chunk: float) -> dict:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--one":
-        print(json.dumps(one(float(sys.argv[2]))))
+    ap = bench_parser("logprob_memory", __doc__, repeats=3)
+    ap.add_argument("--one", type=float, default=None, metavar="CHUNK_MIB",
+                    help="child process: one run at this chunk size, printed as JSON")
+    args = ap.parse_args()
+    if args.one is not None:
+        print(json.dumps(one(args.one)))
         return
     from llamarl.trainer.policy import LOGPROB_CHUNK_MIB
 
     logits_gib = B * (T - 1) * VOCAB * 4 / 2**30
-    result = {"vocab": VOCAB, "micro_batch": [B, T], "float32_logits_gib": round(logits_gib, 2)}
+    result = {"vocab": VOCAB, "micro_batch": [B, T], "float32_logits_gib": round(logits_gib, 2),
+              "runs": {}}
     for name, chunk in (("one_softmax", 0), ("chunked", LOGPROB_CHUNK_MIB)):
         runs = []
-        for _ in range(3):
+        for _ in range(args.repeats):  # a fresh process each: its own peak RSS
             out = subprocess.run([sys.executable, __file__, "--one", str(chunk)],
                                  capture_output=True, text=True, check=True)
             runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-        result[name] = {k: round(statistics.median(r[k] for r in runs), 3) for k in runs[0]}
+        result[name] = {k: round(median(r[k] for r in runs), 3) for k in runs[0]}
+        result["runs"][name] = runs
     result["peak_ratio"] = round(result["one_softmax"]["peak_growth_gib"]
                                  / result["chunked"]["peak_growth_gib"], 2)
-    print(json.dumps(result, indent=1))
-    Path("bench/results/logprob_memory.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
+    print(f"wrote {write_result('logprob_memory', result, args)}")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ samples, prompts of 10-15 tokens, completions of 64-128, micro-batches of 32 row
 rank on the process's threads. Reports, per layout, the median and the minimum seconds per
 update over --repeats, the share of the computed tokens that are padding, the share of
 micro-batches that ran shared, and the ratio of each median to by_length's; written to
-bench/results/micro_batch_order.json (tiny) or micro_batch_order_gen24m.json.
+bench/results/micro_batch_order.json (tiny) or micro_batch_order_gen24m.json, with the
+schema's keys of bench/harness.py.
 
     python bench/micro_batch_order.py                     # part of make bench
     python bench/micro_batch_order.py --workload gen24m   # part of make bench
@@ -36,6 +37,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from harness import RESULTS, bench_parser, write_result
 from torch.distributed.device_mesh import init_device_mesh
 
 
@@ -101,21 +103,24 @@ def one_rank_and_model(workload: str, threads: int) -> Path:
     return Path(build_gen_model(Path(tempfile.gettempdir()) / "llamarl-bench-gen24m"))
 
 
-def finish(bench: str, workload: str, out: dict, path: Path) -> None:
-    """Write `out` to bench/results/<bench>[_<workload>].json (no suffix for tiny), remove the
-    tiny model's temporary directory, leave the process group."""
-    suffix = "" if workload == "tiny" else f"_{workload}"
-    Path(f"bench/results/{bench}{suffix}.json").write_text(json.dumps(out, indent=1) + "\n")
-    if workload == "tiny":
+def finish(bench: str, args: argparse.Namespace, out: dict, path: Path) -> None:
+    """Write `out` to --out, by default bench/results/<bench>[_<workload>].json (no suffix for
+    tiny), remove the tiny model's temporary directory, leave the process group."""
+    suffix = "" if args.workload == "tiny" else f"_{args.workload}"
+    written = write_result(bench, out, args, out=args.out or RESULTS / f"{bench}{suffix}.json")
+    print(f"wrote {written}")
+    if args.workload == "tiny":
         shutil.rmtree(path.parent, ignore_errors=True)
     dist.destroy_process_group()
 
 
-def setup(what: str, gen24m_repeats: int) -> tuple[argparse.Namespace, int, Path]:
-    """A side-by-side update bench's command line (--workload tiny | gen24m, --repeats: updates
-    per `what`, default 15 tiny, `gen24m_repeats` gen24m; --threads), its repeats, and this
-    process as one rank with the workload's model (one_rank_and_model)."""
-    p = argparse.ArgumentParser()
+def setup(bench: str, doc: str, what: str, gen24m_repeats: int
+          ) -> tuple[argparse.Namespace, int, Path]:
+    """A side-by-side update bench's command line (harness's --out and --notes; --workload tiny
+    | gen24m, --repeats: updates per `what`, default 15 tiny, `gen24m_repeats` gen24m;
+    --threads), its repeats, and this process as one rank with the workload's model
+    (one_rank_and_model)."""
+    p = bench_parser(bench, doc, out="")  # --out's default depends on the workload (finish)
     p.add_argument("--workload", choices=tuple(WORKLOADS), default="tiny")
     p.add_argument("--repeats", type=int, default=None, help=f"updates per {what} "
                    f"(default 15 tiny, {gen24m_repeats} gen24m)")
@@ -126,7 +131,7 @@ def setup(what: str, gen24m_repeats: int) -> tuple[argparse.Namespace, int, Path
 
 
 def main() -> None:
-    args, repeats, path = setup("layout", 5)
+    args, repeats, path = setup("micro_batch_order", __doc__, "layout", 5)
     from transformers import AutoTokenizer
 
     from llamarl.config import load_config
@@ -175,7 +180,7 @@ def main() -> None:
             out[f"{name}_over_by_length"] = (out[name]["update_s_median"]
                                              / out["by_length"]["update_s_median"])
     print(json.dumps(out, indent=1))
-    finish("micro_batch_order", args.workload, out, path)
+    finish("micro_batch_order", args, out, path)
 
 
 if __name__ == "__main__":

@@ -120,7 +120,7 @@ def trl_eval_seed(seed: int, step: int) -> int:
     seed in), so the seeds' mean averages the evaluations' sampling error too. Until
     2026-12-02 it was 7919 + step for every seed: TRL's seeds shared one stream per step, and
     their evaluations one error (one policy read 0.578 on step 20's stream against 0.554 over
-    31 streams, docs/measured.md). Seed 0 keeps the old streams."""
+    31 streams, docs/measured/smollm2_vs_trl.md). Seed 0 keeps the old streams."""
     return 7919 + 1000 * seed + step
 
 

@@ -4,7 +4,7 @@ A forward hook on SmolLM2's first q_proj records, for every call of one training
 gradients were on (off: `generate`; on: the loss's forward), the output's dtype and whether
 CPU autocast was active. Accelerate wraps the prepared model's forward in autocast and
 `unwrap_model` keeps that wrapper, so TRL's `generate` runs under autocast too: bfloat16
-products over float32 weights, as its update does (docs/measured.md).
+products over float32 weights, as its update does (docs/measured/smollm2_vs_trl.md).
 
     python bench/trl_generation_dtype.py    # needs trl==1.16.0 (pip install -e .[bench])
 """
