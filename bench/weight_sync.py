@@ -117,7 +117,8 @@ def sharded_policy(rt, kind: str):
     """The bench model (--model `kind`) in float32, FSDP2-sharded over the trainer ranks, and
     this rank's weight sender (the training loop's own)."""
     from llamarl.parallel.fsdp import apply_fsdp
-    from llamarl.trainer.loop import init_trainer_group, open_weight_sender
+    from llamarl.parallel.weight_sync import open_sender
+    from llamarl.trainer.loop import init_trainer_group
     from llamarl.trainer.policy import load_policy
 
     mesh = init_trainer_group(rt)
@@ -125,7 +126,7 @@ def sharded_policy(rt, kind: str):
         rt.store.set("bench/model", build_model_dir(kind))
     model = load_policy(rt.wait_key("bench/model"), "float32")
     apply_fsdp(model, mesh, torch.float32)
-    return model, open_weight_sender(rt, model)
+    return model, open_sender(rt, model)
 
 
 def trainer(rt, args) -> None:

@@ -35,12 +35,12 @@ def trainer(rt, model_dir):
 
     from llamarl.config import adapter_sync
     from llamarl.parallel.fsdp import apply_fsdp
-    from llamarl.parallel.weight_sync import open_sender as open_weight_sender
-    from llamarl.trainer.warmstart import sft_batches
+    from llamarl.parallel.weight_sync import open_sender
     from llamarl.trainer.loop import init_trainer_group
     from llamarl.trainer.lora import add_adapters, merged_state_dict
     from llamarl.trainer.policy import load_policy
     from llamarl.trainer.step import PolicyTrainer
+    from llamarl.trainer.warmstart import sft_batches
 
     mesh = init_trainer_group(rt)
     model = load_policy(model_dir, "float32")
@@ -49,7 +49,7 @@ def trainer(rt, model_dir):
     if lora:
         add_adapters(model, rt.cfg.model.lora, seed=0)
     apply_fsdp(model, mesh, torch.float32)
-    sender = open_weight_sender(rt, model)  # each trainer rank sends its own shards
+    sender = open_sender(rt, model)  # each trainer rank sends its own shards
     rt.wait_key("gen/before_done")
     pt = PolicyTrainer(model, rt.cfg.trainer, 8, 2, rt.device)
     # adapter syncs: a third of unchanged adapters (no steps) must change nothing
