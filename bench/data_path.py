@@ -35,8 +35,8 @@ from llamarl.generator.engine import Completion
 from llamarl.generator.loop import _to_batch
 from llamarl.rewards.scorer import ScoredGroup
 from llamarl.trainer import rl_step
-from llamarl.trainer.loop import drop_stale
 from llamarl.trainer.policy import pad_rollouts
+from llamarl.trainer.rollouts import drop_stale
 
 BEFORE_8C15B25 = {"record": 1.883, "split": 3.949, "put": 0.959, "get": 0.929,
                   "concat_drop": 0.155, "micro_batches": 15.294, "total": 23.168}

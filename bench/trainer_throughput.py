@@ -257,7 +257,8 @@ def main() -> None:
 
     from llamarl.config import load_config
     from llamarl.trainer.critic import build_critic
-    from llamarl.trainer.loop import TRAINER_BACKEND, load_reference
+    from llamarl.trainer.loop import TRAINER_BACKEND
+    from llamarl.trainer.parts import load_reference
     from llamarl.trainer.policy import DTYPES, load_policy, shard_for_training
     from llamarl.trainer.rl_step import policy_step
     from llamarl.trainer.step import PolicyTrainer

@@ -26,6 +26,7 @@ from llamarl.registry.algorithms import (
 )
 from llamarl.registry.envs import BUILTIN_AGENTS, BUILTIN_ENVS
 from llamarl.registry.models import VARIANTS
+from llamarl.registry.sources import SOURCES, source_entry
 
 
 @dataclass
@@ -678,9 +679,11 @@ def _validate_continuous(cfg: Config) -> None:
         _fail("sync.deterministic", True, "continuous generation loads weights whenever they "
               "arrive, so its batches depend on timing: use generator.mode=batch for "
               "reproducible asynchronous runs")
-    if cfg.rollout.source not in ("single_turn", "multi_turn", "agent"):
+    entry = source_entry(cfg.rollout.source)
+    if entry is None or not entry.continuous:
+        drives = ", ".join(name for name, e in SOURCES.items() if e.continuous)
         _fail("generator.mode", g.mode, f"continuous generation drives the built-in sources "
-              f"(single_turn, multi_turn, agent), not rollout.source {cfg.rollout.source!r}: use "
+              f"({drives}), not rollout.source {cfg.rollout.source!r}: use "
               "generator.mode=batch")
     per_engine = g.prompts_per_step // max(g.engines, 1) * g.samples_per_prompt
     if g.in_flight_sequences and g.in_flight_sequences < g.samples_per_prompt:
@@ -768,10 +771,9 @@ def _validate_distill(alg: AlgorithmConfig) -> None:
 
 def _validate_rollout(cfg: Config) -> None:
     ro, g = cfg.rollout, cfg.generator
-    if ro.source not in ("single_turn", "multi_turn", "agent") and (
-            ":" not in ro.source or ro.source.startswith(":") or ro.source.endswith(":")):
-        _fail("rollout.source", ro.source,
-              "use single_turn, multi_turn, agent or 'module:Class'")
+    entry = source_entry(ro.source)
+    if entry is None and not is_import_path(ro.source):
+        _fail("rollout.source", ro.source, f"use {', '.join(SOURCES)} or 'module:Class'")
     if ro.source == "agent":
         if ro.agent not in BUILTIN_AGENTS and (":" not in ro.agent or ro.agent.startswith(":")
                                                or ro.agent.endswith(":")):
@@ -788,15 +790,13 @@ def _validate_rollout(cfg: Config) -> None:
                   "'module:Class', or " + ", ".join(BUILTIN_ENVS))
         if ro.env not in BUILTIN_ENVS and (":" not in ro.env or ro.env.startswith(":")):
             _fail("rollout.env", ro.env, "use 'module:Class', or " + ", ".join(BUILTIN_ENVS))
-    scored_by = {"agent": "agent episodes are scored by the agent's return value",
-                 "multi_turn": "multi-turn episodes are scored by the environment's reward()"}
-    if ro.source in scored_by:
+    if entry is not None and entry.scored_by:
         if g.dynamic_sampling:
             _fail("generator.dynamic_sampling", g.dynamic_sampling,
                   "is for rollout.source=single_turn for now: set it false")
         if cfg.reward.functions or cfg.reward.model_path:
             _fail("reward.functions", cfg.reward.functions,
-                  f"{scored_by[ro.source]}: set reward.functions=[] and no reward.model_path")
+                  f"{entry.scored_by}: set reward.functions=[] and no reward.model_path")
     for key, value in {"rollout.max_turns": ro.max_turns, "rollout.timeout_s": ro.timeout_s,
                        "rollout.workers": ro.workers,
                        "rollout.threads_per_worker": ro.threads_per_worker}.items():
@@ -810,7 +810,8 @@ def _validate_rollout(cfg: Config) -> None:
 
 def _validate_reward(cfg: Config) -> None:
     r, g = cfg.reward, cfg.generator
-    if not r.functions and not r.model_path and cfg.rollout.source == "single_turn":
+    entry = source_entry(cfg.rollout.source)  # a source scored by reward.* needs one of them
+    if not r.functions and not r.model_path and entry is not None and not entry.scored_by:
         _fail("reward.functions", r.functions,
               "name at least one reward function (or set reward.model_path)")
     if r.weights and len(r.weights) != len(r.functions):

@@ -207,7 +207,7 @@ def test_kl_estimators_by_hand():
 
 def test_zero_kl_coef_loads_no_reference_model():
     from llamarl.config import load_config
-    from llamarl.trainer.loop import load_reference
+    from llamarl.trainer.parts import load_reference
 
     assert load_reference(load_config(None, []), "/no/such/model", None, None) is None
 

@@ -171,3 +171,19 @@ def test_activation_memory_budget_reaches_the_compiler(monkeypatch):
         assert functorch_config.activation_memory_budget == 0.6
     finally:
         linear_logprobs.use_compiled(False)
+
+
+def test_every_registered_rollout_source_is_a_source_class():
+    """registry/sources.py names each built-in once: its class imports, is a RolloutSource,
+    and an episodic one has the runner() that continuous generation drives."""
+    from llamarl.registry.sources import SOURCES
+    from llamarl.rollout.source import RolloutSource, source_class
+
+    for name, entry in SOURCES.items():
+        cls = source_class(name)
+        assert issubclass(cls, RolloutSource) and entry.path.endswith(":" + cls.__name__)
+        assert not cls.episodic or callable(getattr(cls, "runner", None)), name
+    assert not source_class("single_turn").episodic
+    assert source_class("multi_turn").episodic and source_class("agent").episodic
+    with pytest.raises(ValueError, match="use single_turn, multi_turn, agent or 'module:Class'"):
+        load_config(None, ["rollout.source=nope"])

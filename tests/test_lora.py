@@ -303,7 +303,7 @@ def test_two_ranks_take_the_update_of_one_process(two_ranks):
     adapters' gradients beside the frozen weights as it does for a fully trained model."""
     from test_buffer import make_batch
 
-    from llamarl.trainer.loop import load_reference
+    from llamarl.trainer.parts import load_reference
     from llamarl.trainer.rl_step import policy_step
     from llamarl.trainer.step import PolicyTrainer
 

@@ -6,8 +6,8 @@ from test_buffer import make_batch
 from llamarl.buffer.record import RolloutBatch
 from llamarl.config import load_config
 from llamarl.tiny.model import build_model
-from llamarl.trainer.loop import drop_stale
 from llamarl.trainer.rl_step import policy_step
+from llamarl.trainer.rollouts import drop_stale
 from llamarl.trainer.step import PolicyTrainer
 
 

@@ -11,7 +11,7 @@ from conftest import rank_line, torchrun
 
 from llamarl.config import TrainerConfig
 from llamarl.tiny.model import build_model
-from llamarl.trainer.loop import check_tokenizer
+from llamarl.trainer.parts import check_tokenizer
 from llamarl.trainer.policy import collate
 from llamarl.trainer.step import PolicyTrainer
 

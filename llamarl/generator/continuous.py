@@ -212,7 +212,8 @@ class EpisodePool:
 
 
 class Meter:
-    """What the engine did since the last batch shipped (the batch's rollout metrics)."""
+    """What the engine did since the last batch shipped (the batch's rollout metrics; the
+    trainer sums them over the engines with generator/continuous_metrics.py)."""
 
     def __init__(self, engine, pool):
         self.engine, self.pool = engine, pool

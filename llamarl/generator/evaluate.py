@@ -50,9 +50,8 @@ class Evaluator:
                 rows = (sample_rows(sampled.groups, tok, step, "sampled")
                         + sample_rows(greedy.groups, tok, step, "greedy"))
                 rt.store.set(f"eval/{step}/{slot}/samples", json.dumps(rows))
-                # multi-turn: the sampled episodes' tool calls
-                results[slot] = [s, len(prompts) * n, gr, len(prompts),
-                                 sampled.metrics.get("tool_calls", 0.0)]
+                # the sampled counts, for the source's own eval metrics (eval_metrics)
+                results[slot] = [s, len(prompts) * n, gr, len(prompts), sampled.metrics]
         finally:
             if paused:
                 self.source.ctx.engine.resume()
@@ -71,9 +70,9 @@ class Evaluator:
                "eval_s": time.perf_counter() - t0}
         if missing:  # slots of an engine lost before it evaluated them
             row["slots_missing"] = missing
-        if rt.cfg.rollout.source == "multi_turn":
-            row["tool_calls_per_episode"] = (sum(p[4] for p in parts)
-                                             / max(sum(p[1] for p in parts), 1))
+        # the source's own (multi_turn: tool calls per episode)
+        row.update(type(self.source).eval_metrics([p[4] for p in parts],
+                                                  sum(p[1] for p in parts)))
         with open(rt.run_dir / "eval.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
         for slot in range(rt.layout.engines):  # (generator/samples.py)
@@ -88,7 +87,7 @@ class Evaluator:
         log(rt, f"eval step {step}: held-out reward {row['reward_mean']:.3f} "
                 f"(greedy {row['reward_mean_greedy']:.3f}) on {row['prompts']} prompts{calls}")
 
-    def _gather(self, step: int) -> tuple[list[list[float]], list[int]]:
+    def _gather(self, step: int) -> tuple[list[list], list[int]]:
         """Every slot's scores of evaluation `step`, and the slots that will not have any: an
         engine was lost before it evaluated them, and the engine that took them over had
         evaluated `step` already (it says so in `eval/last/<engine>`)."""

@@ -295,10 +295,9 @@ def lead(rt: Runtime, engine: Engine, data: PromptData, model_path: str,
 
     try:
         if g.mode == "continuous":  # generator/continuous.py: the engine never drains
-            # multi-turn: episodes get environment workers of their own, apart from the
-            # evaluation's (it runs while they are paused and must not read their results)
-            episodes = (build_source(source_ctx)
-                        if cfg.rollout.source in ("multi_turn", "agent") else None)
+            # episodes (multi_turn, agent) get environment workers of their own, apart from
+            # the evaluation's (it runs while they are paused and must not read their results)
+            episodes = build_source(source_ctx) if source.episodic else None
             if episodes is not None:
                 rt.watchdog.local_cleanups.append(episodes.close)
             try:

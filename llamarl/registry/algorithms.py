@@ -76,6 +76,12 @@ def policy_loss_name(cfg) -> str:
     return cfg.policy_loss or CORRECTIONS[cfg.correction] or ALGORITHMS[cfg.name].policy_loss
 
 
+def algorithm(cfg) -> Algorithm:
+    """What the algorithm of an AlgorithmConfig is and needs (.critic, .teacher): the one
+    lookup the roles make, rather than comparing algorithm names."""
+    return ALGORITHMS[cfg.name]
+
+
 def advantage_name(cfg) -> str:
     return cfg.advantage or ALGORITHMS[cfg.name].advantage
 

@@ -32,6 +32,7 @@ from llamarl.gateway.responses import chat_response, completion_response, tool_p
 from llamarl.gateway.server import Gateway, GatewayCall, resolve
 from llamarl.rewards.scorer import ScoredGroup
 from llamarl.rollout.agent_worker import AgentPool
+from llamarl.rollout.episode_metrics import agent_metrics
 from llamarl.rollout.multi_turn import episode_row, run_episodes
 from llamarl.rollout.source import Collected, RolloutSource
 
@@ -61,6 +62,13 @@ class _Pending:
 
 
 class AgentSource(RolloutSource):
+    episodic = True  # continuous generation drives its runner()
+
+    @classmethod
+    def row_metrics(cls, parts: list[dict]) -> dict:
+        """The episodes' metrics and the agent's (rollout/episode_metrics.py)."""
+        return agent_metrics(parts)
+
     def __init__(self, ctx):
         super().__init__(ctx)
         ro, g = ctx.cfg.rollout, ctx.cfg.generator

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from llamarl.buffer.record import Sample
 from llamarl.rewards.scorer import ScoredGroup
 from llamarl.rollout.env_worker import EnvPool
+from llamarl.rollout.episode_metrics import episode_metrics, tool_calls_per_episode
 from llamarl.rollout.source import Collected, RolloutSource
 
 _IDLE_WAIT_S = 0.05  # longest blind wait for the environment while the engine has nothing
@@ -97,6 +98,17 @@ class ContextEncoder:
 
 
 class MultiTurnSource(RolloutSource):
+    episodic = True  # continuous generation drives its runner()
+
+    @classmethod
+    def row_metrics(cls, parts: list[dict]) -> dict:
+        """Turns, tool calls, errors, environment time (rollout/episode_metrics.py)."""
+        return episode_metrics(parts)
+
+    @classmethod
+    def eval_metrics(cls, parts: list[dict], samples: int) -> dict:
+        return tool_calls_per_episode(parts, samples)
+
     def __init__(self, ctx):
         super().__init__(ctx)
         ro = ctx.cfg.rollout

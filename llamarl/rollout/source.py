@@ -9,7 +9,11 @@ from it; dynamic sampling is a filter around it (rewards/dynamic_sampling.py).
     agent         episodes of an OpenAI-client agent, rollout.agent,  (rollout/agent_source.py)
                   served by the engine's gateway (llamarl/gateway)
     module:Class  your own: subclass RolloutSource, implement collect(), name it in the
-                  recipe as rollout.source
+                  recipe as rollout.source (docs/add_rollout_source.md)
+
+The names are llamarl/registry/sources.py's. A source class says what it is (episodic) and
+how its counts reach the metrics rows (row_metrics, eval_metrics), so neither the trainer nor
+the generator asks which source runs.
 """
 
 from __future__ import annotations
@@ -43,6 +47,12 @@ class Collected:
 
 
 class RolloutSource:
+    # Episodes (multi_turn, agent): the source has a runner(temperature, spans) that
+    # continuous generation drives group by group (generator/continuous.py's EpisodePool),
+    # on an instance of its own apart from the evaluation's. A source that is not episodic
+    # is sampled by collect() alone.
+    episodic: bool = False
+
     def __init__(self, ctx: SourceContext):
         self.ctx = ctx
 
@@ -57,98 +67,34 @@ class RolloutSource:
     def close(self) -> None:
         """Release workers and processes (called on every exit path)."""
 
+    @classmethod
+    def row_metrics(cls, parts: list[dict]) -> dict:
+        """This source's entries of the trainer's metrics row, from one step's rollout
+        batches: `parts` holds each engine's Collected.metrics of the batch (summed over its
+        collect calls; generate_s, reward_s, reward_errors and reward_timeouts, which every
+        row reports, taken out). Called on trainer 0, where no source is built."""
+        return {}
 
-def build_source(ctx: SourceContext) -> RolloutSource:
-    """The source that rollout.source names."""
-    name = ctx.cfg.rollout.source
-    if name == "single_turn":
-        from llamarl.rollout.single_turn import SingleTurnSource
-        return SingleTurnSource(ctx)
-    if name == "multi_turn":
-        from llamarl.rollout.multi_turn import MultiTurnSource
-        return MultiTurnSource(ctx)
-    if name == "agent":
-        from llamarl.rollout.agent_source import AgentSource
-        return AgentSource(ctx)
+    @classmethod
+    def eval_metrics(cls, parts: list[dict], samples: int) -> dict:
+        """This source's entries of an eval.jsonl row, from each held-out slot's sampled
+        Collected.metrics; `samples`: the sampled samples (episodes) of all the slots."""
+        return {}
+
+
+def source_class(name: str) -> type[RolloutSource]:
+    """The class that rollout.source `name` names (llamarl/registry/sources.py, or the
+    user's "module:Class")."""
     from llamarl.imports import import_path
+    from llamarl.registry.sources import source_path
 
-    cls = import_path(name, f"rollout.source {name!r}")
+    cls = import_path(source_path(name), f"rollout.source {name!r}")
     if not (isinstance(cls, type) and issubclass(cls, RolloutSource)):
         raise ValueError(f"rollout.source {name!r} is not a subclass of "
                          "llamarl.rollout.source.RolloutSource")
-    return cls(ctx)
+    return cls
 
 
-def rollout_metrics(infos: list[dict]) -> dict:
-    """Multi-turn episode metrics and continuous-generation metrics of one trainer step from
-    the rollout batches' info (one per engine); {} for single-turn batch generation."""
-    out = _continuous_metrics([i["rollout"] for i in infos
-                               if i.get("rollout", {}).get("continuous")])
-    parts = [i["rollout"] for i in infos if "episodes" in i.get("rollout", {})]
-    if not parts:
-        return out
-    return {**out, **_episode_metrics(parts)}
-
-
-def _continuous_metrics(parts: list[dict]) -> dict:
-    """generator.mode = continuous (generator/continuous.py), over the engines."""
-    if not parts:
-        return {}
-    tot = {k: sum(p[k] for p in parts) for k in parts[0]}
-    samples = max(tot["samples"], 1.0)
-    return {
-        # the engine stepped for this share of the time since its previous batch
-        "engine_busy_share": tot["engine_busy_s"] / max(tot["wall_s"], 1e-9),
-        "engine_load_share": tot["engine_load_s"] / max(tot["wall_s"], 1e-9),
-        "engine_held_share": tot["engine_held_s"] / max(tot["wall_s"], 1e-9),
-        # of the busy share: stepping while a batch's worth of groups was complete but a
-        # running one was due in the batch (long responses at their staleness deadline)
-        "engine_due_share": tot["engine_due_s"] / max(tot["wall_s"], 1e-9),
-        "in_flight_mean": tot["in_flight_mean"] / len(parts),  # sequences per engine step
-        # max - min policy version among a sample's tokens, and the samples with more than one
-        "version_spread_mean": tot["version_spread_sum"] / samples,
-        "spanning_share": tot["spanning_samples"] / samples,
-        "stale_groups_discarded": int(tot["stale_groups_discarded"]),
-        "recomputed_tokens": int(tot["recomputed_tokens"]),  # re-prefilled after weight loads
-    }
-
-
-def _episode_metrics(parts: list[dict]) -> dict:
-    tot = {k: sum(p.get(k, 0.0) for p in parts) for k in parts[0]}
-    episodes = max(tot["episodes"], 1.0)
-    return {
-        "turns_per_episode": tot["turns"] / episodes,
-        "tool_calls_per_episode": tot["tool_calls"] / episodes,
-        "tool_errors": int(tot["tool_errors"]), "malformed_calls": int(tot["malformed"]),
-        "env_errors": int(tot["env_errors"]), "env_timeouts": int(tot["env_timeouts"]),
-        # episodes restored in a restarted environment worker (rollout/env_worker.py)
-        "env_replayed": int(tot.get("env_replayed", 0)),
-        "env_s": max(p.get("env_s", 0.0) for p in parts),
-        # the engine stepped for this share of the collection (it idles only while every
-        # live episode waits for its environment)
-        "engine_busy_share": tot["engine_busy_s"] / max(tot["collect_s"], 1e-9),
-        "masked_response_share": 1.0 - tot["sampled_tokens"] / max(tot["response_tokens"], 1.0),
-        # why episodes ended: stop (final answer), length (a turn hit max_new_tokens),
-        # max_turns, context (rollout.max_tokens), env_error (rollout.on_error = zero)
-        **{k.replace("finish_", "episodes_"): int(v) for k, v in tot.items()
-           if k.startswith("finish_")},
-        **_agent_metrics(tot, episodes),
-    }
-
-
-def _agent_metrics(tot: dict, episodes: float) -> dict:
-    """rollout.source = agent (rollout/agent_source.py, gateway/capture.py): model calls per
-    episode, prefix breaks, calls spliced onto sampled ids, sampled tokens left out of the
-    trained sequence, failed episodes, refused calls, and the mean of each metric the agent
-    returned (agent_<name>)."""
-    if "model_calls" not in tot:
-        return {}
-    return {"model_calls_per_episode": tot["model_calls"] / episodes,
-            "prefix_breaks": int(tot["prefix_breaks"]),
-            "spliced_calls": int(tot["spliced_calls"]),
-            "dropped_sampled_tokens": int(tot["dropped_sampled_tokens"]),
-            "agent_errors": int(tot["agent_errors"]),
-            "agent_timeouts": int(tot["agent_timeouts"]),
-            "refused_calls": int(tot["refused_calls"]),
-            **{k: v / episodes for k, v in tot.items() if k.startswith("agent_")
-               and k not in ("agent_errors", "agent_timeouts")}}
+def build_source(ctx: SourceContext) -> RolloutSource:
+    """The source that rollout.source names."""
+    return source_class(ctx.cfg.rollout.source)(ctx)

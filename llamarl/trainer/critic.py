@@ -82,3 +82,13 @@ def build_critic(cfg: Config, policy_path: str, mesh, device: torch.device,
                                warmup_steps=c.warmup_steps, grad_clip=c.grad_clip)
     return PolicyTrainer(model, tcfg, total_optimizer_steps, dp_size, device, forward=_forward,
                          name="critic")
+
+
+def critic_metrics(stats: dict) -> dict:
+    """The critic's entries of the metrics row, from the update's sums (rl_step): its loss and
+    gradient norm, its mean value per sampled token and the share of values clipped
+    (critic.value_clip)."""
+    n_tok = max(stats["n_tokens"], 1.0)
+    return {"value_loss": stats["value_loss"], "critic_grad_norm": stats["critic_grad_norm"],
+            "value_mean": stats["value_sum"] / n_tok,
+            "value_clip_frac": stats["value_clipped"] / n_tok}

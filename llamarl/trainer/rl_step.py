@@ -40,7 +40,7 @@ from llamarl.algorithms.gae import gae, masked_whiten, reward_to_go, token_rewar
 from llamarl.algorithms.kl import kl_estimate
 from llamarl.algorithms.policy_loss import aggregate, policy_loss
 from llamarl.buffer.record import RolloutBatch
-from llamarl.registry.algorithms import ALGORITHMS, advantage_name
+from llamarl.registry.algorithms import advantage_name, algorithm
 from llamarl.trainer import critic as critic_mod
 from llamarl.trainer.policy import TokenBatch, pad_rollouts, token_logprobs
 from llamarl.trainer.step import PolicyTrainer
@@ -65,8 +65,8 @@ def policy_step(trainer: PolicyTrainer, batch: RolloutBatch | None, cfg, pad_id:
     rewards = batch.rewards.float() if n else torch.zeros(0)
     kl_reward = reference is not None and alg.kl_mode == "reward"
     kl_sum, kl_teacher_sum = torch.zeros(()), torch.zeros(())
-    assert (teacher is not None) == ALGORITHMS[alg.name].teacher, "a teacher iff distilling"
-    gae_advantages = ALGORITHMS[alg.name].critic  # PPO: per-token advantages from the critic
+    assert (teacher is not None) == algorithm(alg).teacher, "a teacher iff distilling"
+    gae_advantages = algorithm(alg).critic  # PPO: per-token advantages from the critic
     if not gae_advantages:
         gids = batch.group_ids if n else torch.zeros(0, dtype=torch.long)
         lengths = batch.sampled_tokens() if n else torch.zeros(0)

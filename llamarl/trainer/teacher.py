@@ -70,3 +70,9 @@ def load_teacher(cfg, teacher_path: str, policy_tokenizer, policy_path: str, mes
     check_teacher_tokenizer(AutoTokenizer.from_pretrained(teacher_path), policy_tokenizer,
                             teacher_path, policy_path)
     return load_frozen(teacher_path, cfg, mesh, device)
+
+
+def teacher_metrics(stats: dict) -> dict:
+    """The teacher's entry of the metrics row: the per-token reverse KL from the policy to the
+    teacher over the step's sampled tokens (algorithms/distill.py; summed by rl_step)."""
+    return {"kl_teacher": stats["kl_teacher"] / max(stats["n_tokens"], 1.0)}

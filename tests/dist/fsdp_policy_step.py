@@ -27,7 +27,7 @@ from llamarl.parallel.weight_sender import WeightSender  # noqa: E402
 from llamarl.tiny.model import build_model  # noqa: E402
 from llamarl.trainer import policy as policy_mod  # noqa: E402
 from llamarl.trainer.critic import build_critic  # noqa: E402
-from llamarl.trainer.loop import load_reference  # noqa: E402
+from llamarl.trainer.parts import load_reference  # noqa: E402
 from llamarl.trainer.rl_step import policy_step  # noqa: E402
 from llamarl.trainer.step import PolicyTrainer  # noqa: E402
 

@@ -40,7 +40,7 @@ from llamarl.parallel.weight_sender import WeightSender  # noqa: E402
 from llamarl.runtime.run_dir import latest  # noqa: E402
 from llamarl.tiny.model import build_model  # noqa: E402
 from llamarl.trainer import checkpoint  # noqa: E402
-from llamarl.trainer.loop import load_reference  # noqa: E402
+from llamarl.trainer.parts import load_reference  # noqa: E402
 from llamarl.trainer.lora import (  # noqa: E402
     add_adapters,
     is_trainable,
