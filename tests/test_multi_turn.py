@@ -207,7 +207,7 @@ def chat_tokenizer():
 
 def test_chat_glue_continues_the_conversation_token_in_token_out():
     from llamarl.data.prompts import PromptFormatter
-    from llamarl.rollout.multi_turn import ContextEncoder
+    from llamarl.rollout.context import ContextEncoder
 
     tok = chat_tokenizer()
     enc = ContextEncoder(tok, PromptFormatter(tok, chat_template=True))

@@ -5,7 +5,7 @@
 Each episode runs the user's function in an agent worker (rollout/agent_worker.py) with an
 OpenAI client whose base_url is this engine's gateway (gateway/server.py) and whose API key
 is the episode's own. Its model calls come back here: AgentRunner.step drains the gateway's
-queue, renders each call's prompt (gateway/capture.py: spliced onto the episode's earlier
+queue, renders each call's prompt (capture.py: spliced onto the episode's earlier
 tokens where the history matches), submits it to the engine (Engine.submit, as the
 multi-turn EpisodeRunner does), steps the engine, and answers each call when its samples
 finish. The engine steps while agents think or run tools; the loop waits (briefly) only
@@ -26,12 +26,12 @@ import time
 from dataclasses import dataclass, field
 
 from llamarl.buffer.record import Sample
-from llamarl.gateway.capture import EpisodeCapture, Renderer
 from llamarl.gateway.requests import error_body
 from llamarl.gateway.responses import chat_response, completion_response, tool_parser
 from llamarl.gateway.server import Gateway, GatewayCall, resolve
 from llamarl.rewards.scorer import ScoredGroup
 from llamarl.rollout.agent_worker import AgentPool
+from llamarl.rollout.capture import EpisodeCapture, Renderer
 from llamarl.rollout.multi_turn import episode_row, run_episodes
 from llamarl.rollout.source import Collected, RolloutSource
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from llamarl.buffer.record import Sample
 from llamarl.rewards.scorer import ScoredGroup
+from llamarl.rollout.context import ContextEncoder
 from llamarl.rollout.env_worker import EnvPool
 from llamarl.rollout.source import Collected, RolloutSource
 
@@ -50,50 +51,6 @@ def episode_row(prompt) -> dict:
     """What an environment is built from: the dataset row, with "prompt" and "answer" set to
     the fields data.prompt_field / data.answer_field name (GSM8K's "question" is "prompt")."""
     return {**(prompt.row or {}), "prompt": prompt.text, "answer": prompt.answer}
-
-
-class ContextEncoder:
-    """Prompt and observation tokens: raw text, or chat messages through the template.
-
-    A list of messages after a turn is rendered as the template's continuation of the
-    conversation: its tokens after the assistant's end-of-turn token through the next
-    generation prompt ("glue", masked out with the observation)."""
-
-    _SENTINEL = "\u2063llamarl-turn\u2063"
-
-    def __init__(self, tokenizer, formatter):
-        self.tokenizer = tokenizer
-        self.formatter = formatter
-
-    def prompt_ids(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            from llamarl.tiny.task import Example
-            return self.formatter.encode([Example(prompt, "")])[0].token_ids
-        text = self.tokenizer.apply_chat_template(prompt, tokenize=False,
-                                                  add_generation_prompt=True)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def observation_ids(self, observation, turn_ended_with_eos: bool) -> list[int]:
-        if isinstance(observation, str):
-            return self.tokenizer(observation, add_special_tokens=False)["input_ids"]
-        return self.tokenizer(self.glue_text(observation, turn_ended_with_eos),
-                              add_special_tokens=False)["input_ids"]
-
-    def glue_text(self, messages: list[dict], turn_ended_with_eos: bool) -> str:
-        tok = self.tokenizer
-        base = [{"role": "user", "content": "u"},
-                {"role": "assistant", "content": self._SENTINEL}]
-        text = tok.apply_chat_template(base + list(messages), tokenize=False,
-                                       add_generation_prompt=True)
-        at = text.find(self._SENTINEL)
-        if at < 0:
-            raise ValueError("the chat template does not render assistant messages' content: "
-                             "multi-turn observations need a template that does")
-        glue = text[at + len(self._SENTINEL):]
-        eos = tok.eos_token or ""
-        if turn_ended_with_eos and eos and glue.startswith(eos):
-            glue = glue[len(eos):]  # the sampled turn already holds it
-        return glue
 
 
 class MultiTurnSource(RolloutSource):

@@ -137,7 +137,7 @@ def _episode_metrics(parts: list[dict]) -> dict:
 
 
 def _agent_metrics(tot: dict, episodes: float) -> dict:
-    """rollout.source = agent (rollout/agent_source.py, gateway/capture.py): model calls per
+    """rollout.source = agent (rollout/agent_source.py, rollout/capture.py): model calls per
     episode, prefix breaks, calls spliced onto sampled ids, sampled tokens left out of the
     trained sequence, failed episodes, refused calls, and the mean of each metric the agent
     returned (agent_<name>)."""
