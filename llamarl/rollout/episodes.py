@@ -42,7 +42,8 @@ class EpisodeSource(Protocol):
 @dataclass
 class Episode:
     """One episode's state. `group`: the key it was added with; `reward`: None until it
-    ends (then it holds a place in no engine request and no outside call)."""
+    ends (then nothing of it is in the engine, and results still to come for it, such as
+    an environment's close, are dropped)."""
 
     group: int
     reward: float | None = field(default=None, kw_only=True)
