@@ -11,7 +11,6 @@ import sys
 import pytest
 from test_multi_turn import chat_tokenizer
 
-from llamarl.gateway.capture import EpisodeCapture, Renderer, message_key
 from llamarl.gateway.requests import (
     GatewayError,
     _messages,
@@ -21,6 +20,7 @@ from llamarl.gateway.requests import (
 )
 from llamarl.generator.engine import Completion
 from llamarl.rollout.agent_worker import BadResult, agent_result
+from llamarl.rollout.capture import EpisodeCapture, Renderer, message_key
 
 OK = [{"role": "user", "content": "hi"}]
 WEATHER = [{"type": "function", "function": {

@@ -207,7 +207,7 @@ def chat_tokenizer():
 
 def test_chat_glue_continues_the_conversation_token_in_token_out():
     from llamarl.data.prompts import PromptFormatter
-    from llamarl.rollout.multi_turn import ContextEncoder
+    from llamarl.rollout.context import ContextEncoder
 
     tok = chat_tokenizer()
     enc = ContextEncoder(tok, PromptFormatter(tok, chat_template=True))
@@ -381,7 +381,7 @@ def test_tool_recipe_trains_through_the_launcher(tmp_path, cache_dir):
 
 def test_environments_get_the_mapped_prompt_and_answer_with_the_whole_row():
     from llamarl.data.prompts import Prompt
-    from llamarl.rollout.multi_turn import episode_row
+    from llamarl.rollout.episodes import episode_row
 
     row = {"question": "What is 3*7?", "answer": "3*7 = 21 #### 21", "id": 4}
     prompt = Prompt([1, 2], "What is 3*7?", "3*7 = 21 #### 21", row)

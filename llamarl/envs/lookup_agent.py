@@ -4,7 +4,7 @@ The same episodes as rollout.env = lookup (llamarl/envs/lookup.py) under rollout
 multi_turn, but driven by the agent through the gateway's /v1/completions, as an agent for
 a base model would be: the prompt text, then after each turn that calls the tool
 ("*key") the turn's text, the tool's result and "=". The gateway splices each call onto
-the previous call's sampled ids (gateway/capture.py), so the trained sequence is the one
+the previous call's sampled ids (rollout/capture.py), so the trained sequence is the one
 the multi-turn source builds: [<bos> ab= | *a<eos> | 3= | *b<eos> | 7= | 37<eos>].
 
     rollout.source: agent

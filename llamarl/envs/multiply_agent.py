@@ -5,7 +5,7 @@ the gateway's /v1/chat/completions with `tools`, as an agent written for any Ope
 server would be: the gateway's Hermes parser (rollout.tool_parser) turns the model's
 <tool_call> into the message's `tool_calls`; the agent runs them and sends the results back
 as "tool" messages, the reply appended unchanged, so the gateway splices each call onto the
-previous one's sampled tokens (gateway/capture.py) and the episode trains on one sequence.
+previous one's sampled tokens (rollout/capture.py) and the episode trains on one sequence.
 
     rollout.source: agent
     rollout.agent: multiply        # this function

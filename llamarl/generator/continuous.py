@@ -173,9 +173,10 @@ class GroupPool:
 
 
 class EpisodePool:
-    """Episode prompt groups (the source's runner: rollout/multi_turn.py's EpisodeRunner, or
-    rollout/agent_source.py's AgentRunner): G episodes each, complete when all G have their
-    reward; episodes waiting for a tool (or an agent) hold a place too."""
+    """Episode prompt groups (the source's runner, a rollout/episodes.py EpisodeRunner:
+    multi_turn.py's EnvRunner or agent_source.py's AgentRunner): G episodes each, complete
+    when all G have their reward; episodes waiting for a tool (or an agent) hold a place
+    too."""
 
     def __init__(self, engine, source, n: int, temperature: float):
         self.engine, self.n = engine, n
@@ -213,7 +214,7 @@ class EpisodePool:
 
 class Meter:
     """What the engine did since the last batch shipped (the batch's rollout metrics; the
-    trainer sums them over the engines with generator/continuous_metrics.py)."""
+    trainer sums them over the engines with rollout/continuous_metrics.py)."""
 
     def __init__(self, engine, pool):
         self.engine, self.pool = engine, pool

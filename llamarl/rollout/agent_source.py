@@ -5,11 +5,11 @@
 Each episode runs the user's function in an agent worker (rollout/agent_worker.py) with an
 OpenAI client whose base_url is this engine's gateway (gateway/server.py) and whose API key
 is the episode's own. Its model calls come back here: AgentRunner.step drains the gateway's
-queue, renders each call's prompt (gateway/capture.py: spliced onto the episode's earlier
-tokens where the history matches), submits it to the engine (Engine.submit, as the
-multi-turn EpisodeRunner does), steps the engine, and answers each call when its samples
-finish. The engine steps while agents think or run tools; the loop waits (briefly) only
-when the engine has nothing to do.
+queue, renders each call's prompt (capture.py: spliced onto the episode's earlier tokens
+where the history matches), submits it to the engine (Engine.submit, as the multi-turn
+EnvRunner does), steps the engine, and answers each call when its samples finish. The engine
+steps while agents think or run tools; the loop (episodes.py, the runner core both share)
+waits (briefly) only when the engine has nothing to do.
 
 An episode's reward is what the agent returned; its sample, the tokens of its calls as the
 engine saw and sampled them (capture.py). An agent that raises, times out
@@ -26,14 +26,13 @@ import time
 from dataclasses import dataclass, field
 
 from llamarl.buffer.record import Sample
-from llamarl.gateway.capture import EpisodeCapture, Renderer
 from llamarl.gateway.requests import error_body
 from llamarl.gateway.responses import chat_response, completion_response, tool_parser
 from llamarl.gateway.server import Gateway, GatewayCall, resolve
-from llamarl.rewards.scorer import ScoredGroup
 from llamarl.rollout.agent_worker import AgentPool
+from llamarl.rollout.capture import EpisodeCapture, Renderer
 from llamarl.rollout.episode_metrics import agent_metrics
-from llamarl.rollout.multi_turn import episode_row, run_episodes
+from llamarl.rollout.episodes import Episode, EpisodeRunner, episode_row
 from llamarl.rollout.source import Collected, RolloutSource
 
 MODEL_NAME = "policy"  # the model name the gateway serves (GET /v1/models)
@@ -41,11 +40,9 @@ _IDLE_WAIT_S = 0.002  # longest wait for a request or a result while the engine 
 
 
 @dataclass
-class _Episode:
-    group: int
+class _AgentEpisode(Episode):
     key: str  # its API key
     capture: EpisodeCapture
-    reward: float | None = None
     finish: str = "stop"
     calls: int = 0  # model calls made (request ids)
     running: dict = field(default_factory=dict)  # call number -> _Pending
@@ -82,7 +79,7 @@ class AgentSource(RolloutSource):
         except BaseException:
             self.gateway.close()
             raise
-        self._episode_base = 0
+        self.next_episode = 0  # (episodes.EpisodeSource)
 
     def close(self) -> None:
         self.pool.close()
@@ -96,66 +93,62 @@ class AgentSource(RolloutSource):
                 first=0) -> Collected:
         t_start = time.perf_counter()
         runner = AgentRunner(self, temperature)
-        done = run_episodes(runner, self.ctx.engine, prompts, n, seed, version, first)
+        groups = runner.run_episodes(prompts, n, seed, version, first)
         m = runner.metrics
         if m["episodes"] and m["agent_errors"] + m["agent_timeouts"] == m["episodes"]:
             raise RuntimeError(f"rollout.agent {self.ctx.cfg.rollout.agent!r}: every episode "
                                f"of the batch failed ({runner.first_error}); fix the agent")
         m["collect_s"] = time.perf_counter() - t_start
         m["generate_s"] = m["collect_s"]
-        return Collected([done[first + j] for j in range(len(prompts))], m)
+        return Collected(groups, m)
 
 
-class AgentRunner:
-    """Agent episodes in flight: the same interface as multi_turn.EpisodeRunner (add, abort,
-    step, groups, live, metrics), so continuous generation can drive it too."""
+class AgentRunner(EpisodeRunner):
+    """Agent episodes in flight: an episode runs the agent in a worker ("run") with its own
+    gateway key; the agent's model calls arrive through the gateway's queue (_intake), each
+    is n engine requests "<episode>:<call number>:<choice>", answered when all n finish.
+    The episode ends with what the agent returned (its reward), or fails."""
 
-    _METRICS = ("episodes", "turns", "model_calls", "prefix_breaks", "spliced_calls",
-                "dropped_sampled_tokens", "agent_errors", "agent_timeouts", "refused_calls",
-                "engine_busy_s", "env_s", "tool_calls", "tool_errors", "malformed",
-                "env_errors", "env_timeouts")
+    METRICS = ("episodes", "turns", "model_calls", "prefix_breaks", "spliced_calls",
+               "dropped_sampled_tokens", "agent_errors", "agent_timeouts", "refused_calls",
+               "engine_busy_s", "env_s", "tool_calls", "tool_errors", "malformed",
+               "env_errors", "env_timeouts")
 
     def __init__(self, source: AgentSource, temperature: float, spans: bool = False):
-        self.source, self.temperature, self.spans = source, temperature, spans
-        self.episodes: dict[int, _Episode] = {}
-        self.groups: dict[int, tuple[object, list[int]]] = {}
-        self.calls: dict[int, int] = {}  # pool call id -> episode
-        self.live = 0
-        self.metrics = dict.fromkeys(self._METRICS, 0.0)
+        super().__init__(source, temperature, spans)
         self.first_error = ""
         g = source.ctx.cfg.generator
         self.max_new, self.max_len = g.max_new_tokens, g.max_model_len
 
-    def add(self, key: int, prompt, n: int) -> None:
+    def _open(self, eid: int, key: int, prompt) -> _AgentEpisode:
         src = self.source
-        base, src._episode_base = src._episode_base, src._episode_base + n
-        eids = list(range(base, base + n))
-        self.groups[key] = (prompt, eids)
-        for eid in eids:
-            api_key = src.gateway.open_episode(eid)
-            self.episodes[eid] = _Episode(key, api_key, EpisodeCapture(src.renderer))
-            self.calls[src.pool.run(eid, episode_row(prompt), api_key)] = eid
-        self.live += n
+        api_key = src.gateway.open_episode(eid)
+        self.calls[src.pool.run(eid, episode_row(prompt), api_key)] = "run"
+        return _AgentEpisode(key, api_key, EpisodeCapture(src.renderer))
 
-    def abort(self, key: int) -> None:
-        """Stop group `key`: its calls leave the engine and are answered 503, its keys are
-        revoked; its agents' results are ignored."""
-        _, eids = self.groups.pop(key)
-        for eid in eids:
-            ep = self.episodes.pop(eid)
-            if ep.reward is None:
-                self.live -= 1
-                self._stop_calls(eid, ep, 503, "the episode was stopped")
+    def _stop(self, eid: int, ep: _AgentEpisode) -> None:
+        # its calls leave the engine and are answered 503, its key is revoked; its agent's
+        # result is ignored when it comes
+        self._stop_calls(eid, ep, 503, "the episode was stopped")
 
-    def _stop_calls(self, eid: int, ep: _Episode, status: int, why: str) -> None:
+    def _stop_calls(self, eid: int, ep: _AgentEpisode, status: int, why: str) -> None:
         self.source.gateway.close_episode(ep.key)
-        engine = self.source.ctx.engine
         for number, p in ep.running.items():
-            engine.abort([f"{eid}:{number}:{i}" for i in range(p.call.request.sampling.n)])
+            self.engine.abort([f"{eid}:{number}:{i}" for i in range(p.call.request.sampling.n)])
             resolve(p.call, status, error_body(why, "server_error"))
         ep.running.clear()
 
     # -- gateway calls ---------------------------------------------------------------------
+    def _intake(self) -> bool:
+        took = False
+        while True:  # the calls that arrived
+            try:
+                call = self.source.gateway.calls.get_nowait()
+            except queue.Empty:
+                return took
+            self._take(call)
+            took = True
+
     def _take(self, call: GatewayCall) -> None:
         ep = self.episodes.get(call.episode)
         if ep is None or ep.reward is not None:
@@ -183,12 +176,21 @@ class AgentRunner:
         max_tokens = min(req.sampling.max_tokens or self.max_new, self.max_new, room)
         number, ep.calls = ep.calls, ep.calls + 1
         ep.running[number] = _Pending(call, ids, [None] * req.sampling.n)
-        engine = self.source.ctx.engine
         for i in range(req.sampling.n):
-            engine.submit(f"{call.episode}:{number}:{i}", ids, self.temperature, max_tokens,
-                          req.sampling.stop or None)
+            self.engine.submit(f"{call.episode}:{number}:{i}", ids, self.temperature,
+                               max_tokens, req.sampling.stop or None)
 
-    def _answer(self, eid: int, ep: _Episode, number: int) -> None:
+    def _on_sampled(self, rid: str, c, version: int) -> None:
+        eid_s, number_s, i_s = rid.split(":")
+        ep = self.episodes.get(int(eid_s))
+        p = ep.running.get(int(number_s)) if ep is not None else None
+        if p is None:
+            return
+        p.done[int(i_s)] = c
+        if all(d is not None for d in p.done):
+            self._answer(ep, int(number_s))
+
+    def _answer(self, ep: _AgentEpisode, number: int) -> None:
         src = self.source
         p = ep.running.pop(number)
         req, tok = p.call.request, src.ctx.tokenizer
@@ -209,92 +211,41 @@ class AgentRunner:
         ep.finish = "stop" if c.finish_reason == "stop" else "length"
         resolve(p.call, 200, body)
 
-    # -- the loop --------------------------------------------------------------------------
-    def step(self, version: int) -> list[ScoredGroup]:
-        src, m = self.source, self.metrics
-        engine, gateway = src.ctx.engine, src.gateway
-        took = False
-        while True:  # the calls that arrived
-            try:
-                call = gateway.calls.get_nowait()
-            except queue.Empty:
-                break
-            self._take(call)
-            took = True
-        if engine.busy:
-            t0 = time.perf_counter()
-            finished = engine.step()
-            m["engine_busy_s"] += time.perf_counter() - t0
-            for rid, c in finished:
-                eid_s, number_s, i_s = rid.split(":")
-                ep = self.episodes.get(int(eid_s))
-                p = ep.running.get(int(number_s)) if ep is not None else None
-                if p is None:
-                    continue
-                p.done[int(i_s)] = c
-                if all(d is not None for d in p.done):
-                    self._answer(int(eid_s), ep, int(number_s))
+    # -- agent results ---------------------------------------------------------------------
+    def _poll(self, idle: bool) -> list:
         t0 = time.perf_counter()
-        results = src.pool.poll(0.0)
-        if not results and not took and not engine.busy:
+        results = self.source.pool.poll(0.0)
+        if not results and idle:
             try:  # idle: wait for a request (results are polled again right after)
-                self._take(gateway.calls.get(timeout=_IDLE_WAIT_S))
+                self._take(self.source.gateway.calls.get(timeout=_IDLE_WAIT_S))
             except queue.Empty:
                 pass
-            m["env_s"] += time.perf_counter() - t0
-        ended = set()
-        for call_id, eid, outcome in results:
-            self.calls.pop(call_id, None)
-            ep = self.episodes.get(eid)
-            if ep is None or ep.reward is not None:
-                continue
-            self.live -= 1
-            ended.add(ep.group)
-            if outcome[0] == "ok":
-                ep.reward, ep.metrics = outcome[1]
-                self._stop_calls(eid, ep, 403, "the episode has ended")
-                continue
-            kind, what = outcome
-            if kind == "timeout":
-                m["agent_timeouts"] += 1
-                what = (f"timed out after {src.ctx.cfg.rollout.agent_timeout_s:g} s "
-                        "(rollout.agent_timeout_s)")
-            else:
-                m["agent_errors"] += 1
-            self.first_error = self.first_error or what
-            ep.reward, ep.finish = 0.0, "env_error"
-            self._stop_calls(eid, ep, 403, f"the episode failed: {what}")
-        return self._complete(ended, version)
+            self.metrics["env_s"] += time.perf_counter() - t0
+        return results
 
-    def _complete(self, ended: set, version: int) -> list[ScoredGroup]:
-        m, done = self.metrics, []
-        for key in sorted(ended):
-            prompt, eids = self.groups[key]
-            eps = [self.episodes[e] for e in eids]
-            if any(e.reward is None for e in eps):
-                continue
-            del self.groups[key]
-            # counted as they complete, with their model calls and the agent's metrics
-            # (capture counts below), and kept with the group: in continuous generation a
-            # batch's window also starts episodes that finish in a later one (counted at
-            # their start: 0.6 model calls per episode), and a batch may take groups
-            # completed in an earlier window (a window's counts could read below 1), so
-            # continuous.py sums the batch's own groups' counts
-            m["episodes"] += len(eps)
-            samples, group_counts = [], {}
-            for eid, ep in zip(eids, eps):
-                del self.episodes[eid]
-                sample, counts = ep.capture.sample(version)
-                counts.update({f"agent_{k}": v for k, v in ep.metrics.items()})
-                for k, v in counts.items():
-                    m[k] = m.get(k, 0.0) + v
-                    group_counts[k] = group_counts.get(k, 0.0) + v
-                if not sample.token_ids:  # no model call: its prompt, with nothing to train
-                    sample = Sample()
-                    sample.add_context(prompt.token_ids)
-                sample.finish = ep.finish
-                samples.append(sample)
-            done.append(ScoredGroup(prompt, [], [e.reward for e in eps], {}, key, samples,
-                                    group_counts))
-        return done
+    def _on_result(self, eid: int, ep: _AgentEpisode, method: str, outcome) -> None:
+        if outcome[0] == "ok":
+            reward, ep.metrics = outcome[1]
+            self._finish(ep, reward)
+            return self._stop_calls(eid, ep, 403, "the episode has ended")
+        kind, what = outcome
+        if kind == "timeout":
+            self.metrics["agent_timeouts"] += 1
+            what = (f"timed out after {self.source.ctx.cfg.rollout.agent_timeout_s:g} s "
+                    "(rollout.agent_timeout_s)")
+        else:
+            self.metrics["agent_errors"] += 1
+        self.first_error = self.first_error or what
+        ep.finish = "env_error"
+        self._finish(ep, 0.0)
+        self._stop_calls(eid, ep, 403, f"the episode failed: {what}")
 
+    def _sample(self, prompt, ep: _AgentEpisode, version: int) -> tuple[Sample, dict]:
+        """The capture's sequence, with its counts and the agent's metrics (agent_<name>)."""
+        sample, counts = ep.capture.sample(version)
+        counts.update({f"agent_{k}": v for k, v in ep.metrics.items()})
+        if not sample.token_ids:  # no model call: its prompt, with nothing to train
+            sample = Sample()
+            sample.add_context(prompt.token_ids)
+        sample.finish = ep.finish
+        return sample, counts

@@ -7,7 +7,7 @@ loop's StepTimer), then what each feature declares next to itself:
     kl_teacher                          trainer/teacher.py       teacher_metrics
     value_loss, value_mean, ...         trainer/critic.py        critic_metrics
     reward/<fn>, reward_errors, ds_*    rewards/scorer.py        reward_metrics
-    engine_*_share, in_flight_mean ...  generator/continuous_metrics.py (generator.mode =
+    engine_*_share, in_flight_mean ...  rollout/continuous_metrics.py (generator.mode =
                                         continuous)
     turns_per_episode, tool_calls ...   the rollout source's row_metrics (rollout/source.py;
                                         multi_turn and agent: rollout/episode_metrics.py)
@@ -21,9 +21,9 @@ import hashlib
 import resource
 from dataclasses import dataclass, field
 
-from llamarl.generator.continuous_metrics import continuous_metrics
 from llamarl.parallel.plan import plan_for
 from llamarl.rewards.scorer import reward_metrics
+from llamarl.rollout.continuous_metrics import continuous_metrics
 from llamarl.rollout.source import source_class
 from llamarl.runtime.roster import Roster
 from llamarl.runtime.setup import Runtime, log

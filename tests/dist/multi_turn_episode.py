@@ -61,9 +61,7 @@ def _abort_a_group(source, prompts) -> dict:
     """Continuous mode's runner (spans, as EpisodePool runs it): two groups of 4 episodes, the
     first stopped after a few steps (its slot handed back); the second still completes, and
     nothing of the first is left in the engine, the runner or the environment workers."""
-    from llamarl.rollout.multi_turn import EpisodeRunner
-
-    runner = EpisodeRunner(source, 1.0, spans=True)
+    runner = source.runner(1.0, spans=True)
     engine = source.ctx.engine
     engine.begin(99)
     runner.add(0, prompts[0], 4)

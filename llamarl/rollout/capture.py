@@ -6,11 +6,12 @@ Prompts (built on the generator's thread, in call order per episode):
     Re-rendering a history re-tokenises the assistant's earlier turns, which need not give
     the tokens the engine sampled (and templates may render a turn differently once it is
     history). So where the request's messages begin with an earlier call's messages plus
-    the reply that call returned (same tools), the gateway splices instead of rendering:
-    that call's prompt ids + the ids the engine sampled for the reply + the template's
-    continuation for the new messages ("glue", as rollout/multi_turn.py renders
-    observations). The assistant turn is then in the context exactly as sampled (a stop
-    string the reply's text was cut at stays in, as the engine's own tokens).
+    the reply that call returned (same tools), the agent runner splices instead of
+    rendering: that call's prompt ids + the ids the engine sampled for the reply + the
+    template's continuation for the new messages ("glue", as the multi-turn runner renders
+    observations: context.py). The assistant turn is then in the context exactly as
+    sampled (a stop string the reply's text was cut at stays in, as the engine's own
+    tokens).
   * completion: a prompt that begins with an earlier call's prompt + returned text is
     spliced the same way (its ids + the sampled ids, then the rest tokenised alone); a list
     of token ids is used as given; any other text is tokenised (a BOS first, where the
@@ -34,6 +35,7 @@ import json
 from dataclasses import dataclass
 
 from llamarl.buffer.record import Sample
+from llamarl.rollout.context import ContextEncoder
 
 
 @dataclass
@@ -65,8 +67,6 @@ class Renderer:
     """Messages and text to prompt ids with `tokenizer` (the engine's)."""
 
     def __init__(self, tokenizer):
-        from llamarl.rollout.multi_turn import ContextEncoder
-
         self.tokenizer = tokenizer
         self.glue = ContextEncoder(tokenizer, None).glue_text
         self.eos = tokenizer.eos_token_id
