@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from llamarl.algorithms.registry import algorithm
 from llamarl.models.resolve import resolve_model_path
+from llamarl.registry.algorithms import algorithm
 from llamarl.runtime.setup import Runtime, log
 from llamarl.trainer.critic import build_critic, critic_metrics
 from llamarl.trainer.lora import (

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from llamarl.buffer.channel import open_channel
+from llamarl.buffer.channels import open_channel
 from llamarl.buffer.record import RolloutBatch
 from llamarl.runtime.setup import Runtime, log
 from llamarl.timeline import Timeline
