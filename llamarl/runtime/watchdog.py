@@ -1,7 +1,12 @@
 """Liveness for the whole job: a dead or failed peer becomes a named error on every rank.
 
 Each rank's watchdog thread bumps its own heartbeat counter in the job store once a second and
-reads everyone else's. A rank fails the job when:
+reads everyone else's, all in one call (`multi_get`: rank 0 creates every counter at start,
+`hb/ready`), so a sweep costs a rank a handful of store calls whatever the job's size, and the
+store serves about 3 N calls a second for N ranks (not 2 N^2: one check and one read per peer
+per rank, as it was; bench/watchdog_store_load.py). The store still reads N^2 keys a second
+(N counters for each rank): a per-node aggregator would make that N too. A rank fails the job
+when:
   * a peer wrote a failure report (`report_failure`, on an exception), or
   * a peer on this host has exited (its pid is gone: found within a second, e.g. kill -9), or
   * a peer's counter has not moved for `dead_after_s` and the peer did not say it is done, or
@@ -37,6 +42,8 @@ from collections.abc import Callable
 from llamarl.runtime.layout import Layout
 
 HEARTBEAT_S = 1.0
+HB_READY = "hb/ready"  # set once rank 0 has created every rank's heartbeat counter
+PROCS = "procs"  # one line a process, appended at its start: rank, host, pid
 # how long the store's host, ending (a failure, a peer's, or SIGTERM), waits for its peers to
 # read why and mark themselves stopped before it ends, and the store with it:
 # Watchdog._linger_for_peers
@@ -79,6 +86,7 @@ class Watchdog:
         self._leaving = threading.Lock()
         self._leaving_thread: threading.Thread | None = None
         self._peers_proc: dict[int, int] = {}  # same-host peers: rank -> pid (-1: elsewhere)
+        self._procs_seen = -1  # the length of the process list when last read
         # a replacement's tp rank 0: the processes of its other tp ranks (launch/join.py). One
         # that ends badly may do so before it could be watched as a peer (its setup)
         self.children: list = []  # [(its rank, its subprocess.Popen)]
@@ -100,9 +108,16 @@ class Watchdog:
 
     def start(self) -> None:
         self._store = self.make_store()
-        self._store.set(f"proc/{self.rank}", json.dumps({"host": socket.gethostname(),
-                                                          "pid": os.getpid()}))
+        info = {"host": socket.gethostname(), "pid": os.getpid()}
+        self._store.set(f"proc/{self.rank}", json.dumps(info))
+        self._store.append(PROCS, json.dumps({"rank": self.rank, **info}) + "\n")
+        self._store.add(f"{PROCS}/n", 1)
         self._store.add(f"hb/{self.rank}", 1)
+        if self.rank == 0:  # every counter exists from here on: the peers read them in one
+            # call (a missing key would make it wait). N calls once, by one rank.
+            for r in range(self.layout.world_size):
+                self._store.compare_set(f"hb/{r}", "", "0")
+            self._store.set(HB_READY, "1")
         signal.signal(signal.SIGTERM, self._on_sigterm)
         self._thread = threading.Thread(target=self._run, name="llamarl-watchdog", daemon=True)
         self._thread.start()
@@ -207,10 +222,19 @@ class Watchdog:
         return None
 
     def _local_pids(self, store, peers: list[int]) -> None:
-        host = socket.gethostname()
-        for r in peers:
-            if r not in self._peers_proc and store.check([f"proc/{r}"]):
-                info = json.loads(store.get(f"proc/{r}"))
+        """Learn the process of every peer in `peers` not known yet: its pid if it runs on
+        this host, else -1. Read from the job's process list (PROCS), and only when it has
+        grown: no store call once every peer is known, one while some are not."""
+        if all(r in self._peers_proc for r in peers):
+            return
+        n = int(store.add(f"{PROCS}/n", 0))
+        if n == self._procs_seen:
+            return
+        self._procs_seen, host = n, socket.gethostname()
+        for line in store.get(PROCS).decode().splitlines():
+            info = json.loads(line)
+            r = info["rank"]
+            if r in peers and r not in self._peers_proc:
                 self._peers_proc[r] = info["pid"] if info["host"] == host else -1
 
     def _gone_peer(self, store=None) -> int | None:
@@ -301,6 +325,8 @@ class Watchdog:
             self.excused = {r for r in peers if peek(store, f"done/{r}") == b"lost"}
         except Exception:  # noqa: BLE001 - the loop below names a store that is gone
             pass
+        ended: set[int] = set()  # peers that ended on their own terms (done/<rank>)
+        ready = False  # every heartbeat counter exists (HB_READY)
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 store.add(f"hb/{self.rank}", 1)
@@ -333,16 +359,29 @@ class Watchdog:
                     pid = self._peers_proc[gone]
                     self._fault(gone, f"{self.role_name(gone)} died (process {pid} is gone)",
                                 store)
-                for r in peers:
-                    if r in self.excused | self.pending or store.check([f"done/{r}"]):
-                        continue
-                    count = store.add(f"hb/{r}", 0)
+                ready = ready or store.check([HB_READY])
+                if not ready:  # rank 0 creates the counters as its watchdog starts
+                    if now - start > self.startup_grace_s:
+                        self._fault(0, f"{self.role_name(0)} is dead (never started for "
+                                       f"{now - start:.0f} s)", store)
+                    continue
+                watched = [r for r in peers if r not in self.excused | self.pending | ended]
+                counts = store.multi_get([f"hb/{r}" for r in watched]) if watched else []
+                for r, value in zip(watched, counts):
+                    count = int(value)
                     seen, since = last[r]
                     if count != seen:
                         last[r] = (count, now)
                         continue
                     limit = self.dead_after_s if count > 0 else self.startup_grace_s
-                    if now - since > limit:
+                    if now - since <= limit:
+                        continue
+                    state = peek(store, f"done/{r}")  # (a peer whose counter stopped)
+                    if state == b"lost":  # another rank declared its engine lost: watched
+                        self.excused.add(r)  # again if a replacement takes the rank (above)
+                    elif state is not None:  # it ended on its own terms
+                        ended.add(r)
+                    else:
                         what = "no heartbeat" if count > 0 else "never started"
                         self._fault(r, f"{self.role_name(r)} is dead ({what} for "
                                        f"{now - since:.0f} s)", store)
