@@ -15,11 +15,11 @@ def open_channel(rt, engine: int, trainer: int, side: str,
     """The channel engine -> trainer rank, from either side ("producer" | "consumer").
     `takeover`: a producer continuing the channel of a lost one (unique name; see adopt and
     dist_channel.py)."""
-    name = channel_name(engine, trainer)
-    if plan_for(rt).rollout_group(engine, trainer) is None:  # one node: shared memory
+    name, plan = channel_name(engine, trainer), plan_for(rt)
+    if plan.rollout_group(engine, trainer) is None:  # one node: shared memory
         return ShmChannel(rt.store, rt.run_id, name, rt.cfg.buffer.capacity, rt.watchdog.check,
                           make_store=rt.new_store if side == "consumer" else None)
     # the consumer follows takeovers when engines can be lost (dist_channel.py)
-    follow = side == "consumer" and plan_for(rt).survives_engine_loss
+    follow = side == "consumer" and plan.survives_engine_loss
     return DistChannel(rt, name, side, rt.cfg.buffer.capacity, follow=follow,
                        takeover=takeover)

@@ -164,16 +164,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from llamarl.buffer.shm import sweep_run  # heavy imports start here
     from llamarl.generator.log_hygiene import quiet_third_party
+    from llamarl.parallel.groups import default_backend
     from llamarl.parallel.plan import comm_plan
     from llamarl.runtime.setup import SetupError, setup
 
-    def survives_engine_loss(device) -> bool:
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        return comm_plan(cfg, layout, backend).survives_engine_loss
-
     try:
         rt = setup(cfg, layout, env, joining=incarnation,
-                   survives_engine_loss=survives_engine_loss, cleanups=(sweep_run,),
+                   survives_engine_loss=lambda device: comm_plan(
+                       cfg, layout, default_backend(device)).survives_engine_loss,
+                   cleanups=(sweep_run,),
                    before_roles=quiet_third_party)
     except SetupError as e:  # reported to the peers when a store was reached
         say(f"llamarl: rank {env.rank}: error: {e}")

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llamarl.config import reshards
-from llamarl.parallel.groups import broadcasts
+from llamarl.parallel.groups import broadcasts, default_backend
 from llamarl.runtime.layout import Layout
 
 WEIGHTS, RESHARD, ROLLOUTS, COMMANDS = "weights", "reshard", "rollouts", "commands"
@@ -85,9 +85,13 @@ class CommPlan:
     def receiver_groups(self, global_rank: int) -> list[PlannedGroup]:
         """The weight groups generator rank `global_rank` receives on, one per trainer rank
         in trainer order (the order the engines receive in, docs/architecture.md)."""
-        engine = self.layout.role_of(global_rank).index
-        return [g for r in range(self.layout.trainer_ranks) for g in self.weight_groups(r)
-                if not self.weight_pairs or g.name == pair_group_name(r, engine)]
+        lay = self.layout
+        if not self.weight_pairs:
+            return [g for r in range(lay.trainer_ranks) for g in self.weight_groups(r)]
+        engine = lay.role_of(global_rank).index
+        return [PlannedGroup(pair_group_name(r, engine),
+                             (lay.trainer_global_ranks[r], *lay.engine_global_ranks(engine)),
+                             WEIGHTS) for r in range(lay.trainer_ranks)]
 
     def reshard_groups_of(self, global_rank: int) -> list[PlannedGroup]:
         """Resharded syncs on broadcasts: [trainer r, tp rank k of every engine], one per
@@ -145,7 +149,7 @@ class CommPlan:
 def plan_for(rt) -> CommPlan:
     """The plan of a running job (a runtime.setup.Runtime): its groups on NCCL when this rank
     is on a GPU, on gloo on the CPU."""
-    return comm_plan(rt.cfg, rt.layout, "nccl" if rt.device.type == "cuda" else "gloo")
+    return comm_plan(rt.cfg, rt.layout, default_backend(rt.device))
 
 
 def comm_plan(cfg, layout: Layout, backend: str) -> CommPlan:

@@ -230,11 +230,11 @@ class Watchdog:
         n = int(store.add(f"{PROCS}/n", 0))
         if n == self._procs_seen:
             return
-        self._procs_seen, host = n, socket.gethostname()
+        self._procs_seen, host, wanted = n, socket.gethostname(), set(peers)
         for line in store.get(PROCS).decode().splitlines():
             info = json.loads(line)
             r = info["rank"]
-            if r in peers and r not in self._peers_proc:
+            if r in wanted and r not in self._peers_proc:
                 self._peers_proc[r] = info["pid"] if info["host"] == host else -1
 
     def _gone_peer(self, store=None) -> int | None:
@@ -365,7 +365,8 @@ class Watchdog:
                         self._fault(0, f"{self.role_name(0)} is dead (never started for "
                                        f"{now - start:.0f} s)", store)
                     continue
-                watched = [r for r in peers if r not in self.excused | self.pending | ended]
+                skipped = self.excused | self.pending | ended
+                watched = [r for r in peers if r not in skipped]
                 counts = store.multi_get([f"hb/{r}" for r in watched]) if watched else []
                 for r, value in zip(watched, counts):
                     count = int(value)
