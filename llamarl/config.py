@@ -588,11 +588,16 @@ def validate(cfg: Config) -> Config:
     _validate_rollout(cfg)
     _validate_continuous(cfg)
     _validate_data(cfg.data)
-    per_rank = cfg.generator.engines * cfg.trainer.ranks
-    if cfg.generator.prompts_per_step % per_rank:
+    # parallel/shares.py: trainer ranks train equal contiguous shares of the step's groups,
+    # engines make contiguous shares that differ by at most one group
+    if cfg.generator.prompts_per_step % cfg.trainer.ranks:
         _fail("generator.prompts_per_step", cfg.generator.prompts_per_step,
-              f"must be a multiple of generator.engines x trainer.ranks = {per_rank}, so every "
-              "engine sends every trainer rank the same number of whole prompt groups")
+              f"must be a multiple of trainer.ranks = {cfg.trainer.ranks}, so every trainer "
+              "rank trains the same number of whole prompt groups")
+    if cfg.generator.prompts_per_step < cfg.generator.engines:
+        _fail("generator.prompts_per_step", cfg.generator.prompts_per_step,
+              f"must be at least generator.engines = {cfg.generator.engines}, so every engine "
+              "makes at least one prompt group a step")
     if cfg.generator.block_size < 0 or cfg.generator.block_size % 16:
         _fail("generator.block_size", cfg.generator.block_size,
               "must be a multiple of 16 (vLLM's kernels), or 0 for vLLM's default")
@@ -685,7 +690,7 @@ def _validate_continuous(cfg: Config) -> None:
         _fail("generator.mode", g.mode, f"continuous generation drives the built-in sources "
               f"({drives}), not rollout.source {cfg.rollout.source!r}: use "
               "generator.mode=batch")
-    per_engine = g.prompts_per_step // max(g.engines, 1) * g.samples_per_prompt
+    per_engine = -(-g.prompts_per_step // max(g.engines, 1)) * g.samples_per_prompt
     if g.in_flight_sequences and g.in_flight_sequences < g.samples_per_prompt:
         _fail("generator.in_flight_sequences", g.in_flight_sequences,
               f"must hold at least one prompt group ({g.samples_per_prompt} samples), or 0 "

@@ -25,7 +25,7 @@ def test_shared_weight_groups_one_per_trainer_rank():
     assert [(g.name, g.ranks) for g in plan.weight_groups(1)] == [("wsync1", (1, 2, 3))]
     assert [g.name for g in plan.receiver_groups(3)] == ["wsync0", "wsync1"]
     assert plan.receiver_groups(3)[0].rank_of(3) == 2
-    assert plan.rollout_group(0, 1) is None
+    assert plan.rollout_group(0, 0) is None
     assert [g.name for g in plan.groups_of(0)] == ["wsync0"]
     assert [g.name for g in plan.groups_of(2)] == ["wsync0", "wsync1"]
     assert plan.survives_engine_loss  # gloo sends point to point
@@ -66,13 +66,31 @@ def test_reshard_groups_on_broadcasts_with_shared_groups():
 
 def test_rollout_pair_groups_across_nodes():
     """Two nodes of 2 ranks: trainers 0-1 on node 0, engines (ranks 2, 3) on node 1: every
-    channel crosses nodes and takes a pair group [engine leader, trainer]."""
+    channel crosses nodes and takes a pair group [engine leader, trainer]. With 64 prompt
+    groups a step, engine 0 makes groups 0-31, which trainer 0 trains, engine 1 32-63,
+    trainer 1's: one channel each (parallel/shares.py), not 2 x 2."""
     layout = compute_layout(4, 2, 2, 2, 1)
     plan = comm_plan(_cfg("trainer.ranks=2", "generator.engines=2"), layout, "gloo")
-    group = plan.rollout_group(1, 0)
-    assert (group.name, group.ranks, group.purpose) == ("xfer/e1t0", (3, 0), "rollouts")
-    assert [g.name for g in plan.groups_of(3)] == ["wsync0", "wsync1", "xfer/e1t0", "xfer/e1t1"]
-    assert [g.name for g in plan.groups_of(0)] == ["wsync0", "xfer/e0t0", "xfer/e1t0"]
+    group = plan.rollout_group(1, 1)
+    assert (group.name, group.ranks, group.purpose) == ("xfer/e1t1", (3, 1), "rollouts")
+    assert [g.name for g in plan.groups_of(3)] == ["wsync0", "wsync1", "xfer/e1t1"]
+    assert [g.name for g in plan.groups_of(0)] == ["wsync0", "xfer/e0t0"]
+    with pytest.raises(AssertionError):  # no channel: engine 1 sends trainer 0 nothing
+        plan.rollout_group(1, 0)
+
+
+def test_rollout_channels_follow_the_shares():
+    """3 engines, 2 trainer ranks, 4 groups a step, every rank its own node: engines make
+    [0, 1), [1, 2), [2, 4); trainers train [0, 2), [2, 4): engines 0 and 1 send trainer 0,
+    engine 2 trainer 1."""
+    layout = compute_layout(5, 1, 2, 3, 1)
+    plan = comm_plan(_cfg("trainer.ranks=2", "generator.engines=3",
+                          "generator.prompts_per_step=4"), layout, "gloo")
+    assert [plan.rollout_trainers(e) for e in range(3)] == [[0], [0], [1]]
+    assert [plan.rollout_engines(r) for r in range(2)] == [[0, 1], [2]]
+    assert [g.name for g in plan.groups_of(0) if g.purpose == "rollouts"] == [
+        "xfer/e0t0", "xfer/e1t0"]
+    assert [g.name for g in plan.groups_of(4) if g.purpose == "rollouts"] == ["xfer/e2t1"]
 
 
 @pytest.mark.parametrize("backend", ["gloo", "nccl"])

@@ -1,4 +1,4 @@
-"""The rollout channels of a job: channel e<e>t<r> carries engine e's batches to trainer rank r,
+"""The rollout channels of a job: channel e<e>t<r> carries engine e's groups for trainer rank r,
 through shared memory when both ends share a node (buffer/shm.py), else over the pair group
 the communication plan names for it (buffer/dist_channel.py, parallel/plan.py)."""
 
@@ -23,3 +23,10 @@ def open_channel(rt, engine: int, trainer: int, side: str,
     follow = side == "consumer" and plan.survives_engine_loss
     return DistChannel(rt, name, side, rt.cfg.buffer.capacity, follow=follow,
                        takeover=takeover)
+
+
+def info_key(slot: int, batch: int) -> str:
+    """The store key of the info (RolloutBatch.info) of slot `slot`'s batch `batch` when
+    trainer 0 gets no part of it (parallel/shares.py): the slot's maker writes it before any
+    part leaves, trainer 0 reads it for its metrics and checkpoints and deletes it."""
+    return f"rollout/info/{slot}/{batch}"

@@ -221,15 +221,27 @@ class RolloutBatch:
 
 
 def split_groups(batch: RolloutBatch, parts: int) -> list[RolloutBatch]:
-    """Split into `parts` sub-batches of whole groups, as even as possible, groups in order.
-    A group's samples are contiguous (they are made together), so every part is a slice."""
-    gids, counts = torch.unique_consecutive(batch.group_ids, return_counts=True)
+    """Split into `parts` sub-batches of the same number of whole groups, groups in order."""
+    groups = len(torch.unique_consecutive(batch.group_ids))
+    if groups % parts:
+        raise ValueError(f"{groups} groups do not split evenly over {parts} trainer ranks")
+    return split_counts(batch, [groups // parts] * parts)
+
+
+def split_counts(batch: RolloutBatch, counts: list[int]) -> list[RolloutBatch]:
+    """Split into sub-batches of counts[k] whole groups each, groups in order (the runs of a
+    slot's batch that go to each trainer rank, parallel/shares.py). A group's samples are
+    contiguous (they are made together), so every part is a slice."""
+    gids, sizes = torch.unique_consecutive(batch.group_ids, return_counts=True)
     assert len(torch.unique(gids)) == len(gids), "a group's samples must be contiguous"
-    if len(gids) % parts:
-        raise ValueError(f"{len(gids)} groups do not split evenly over {parts} trainer ranks")
-    per = len(gids) // parts
-    bounds = [0] + torch.cumsum(counts, 0)[per - 1::per].tolist()
-    return [batch.slice(bounds[k], bounds[k + 1]) for k in range(parts)]
+    if sum(counts) != len(gids):
+        raise ValueError(f"{len(gids)} groups do not split into runs of {counts}")
+    ends = torch.cumsum(sizes, 0).tolist()
+    bounds, done = [0], 0
+    for n in counts:
+        done += n
+        bounds.append(ends[done - 1] if done else 0)
+    return [batch.slice(bounds[k], bounds[k + 1]) for k in range(len(counts))]
 
 
 def episode_counts(batch: RolloutBatch) -> dict[str, float]:

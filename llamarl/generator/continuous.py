@@ -10,7 +10,7 @@ weights. Here engine e keeps up to `in_flight_sequences` sequences running:
             under the new weights, their KV recomputed or kept: generator.in_flight_kv);
             block only while the loaded version V < b - k
         one engine step; a group is complete when its G samples are: score it
-        once `prompts_per_step / engines` groups are complete and the trainer has room: ship
+        once the slot's share of the step's groups is complete and the trainer has room: ship
             them as batch b (the oldest first, and never leaving a running group behind its
             deadline: pick_batch), b += 1
 
@@ -276,8 +276,9 @@ def run_continuous(rt: Runtime, engine, scorer, source, slots: SlotSet, weights,
     resumed run is past the groups in flight at a crash); those running stop."""
     cfg, g, e = rt.cfg, rt.cfg.generator, rt.role.index
     k, n = cfg.sync.max_staleness, g.samples_per_prompt
-    per_engine = g.prompts_per_step // rt.layout.engines
-    room_for = g.in_flight_sequences or per_engine * n
+    share = slots.per_slot  # groups of a slot's batch (parallel/shares.py)
+    stride = slots.shares.most_of_an_engine  # the largest share: group ids, room
+    room_for = g.in_flight_sequences or stride * n
     pool = (EpisodePool(engine, source, n, g.temperature) if source is not None
             else GroupPool(engine, scorer, n, g.temperature, g.max_new_tokens))
     meter = Meter(engine, pool)
@@ -292,7 +293,8 @@ def run_continuous(rt: Runtime, engine, scorer, source, slots: SlotSet, weights,
                       queued=lambda: ahead.keeps() and slots.queued())
 
     def owed(slot) -> int:  # the batch a new group of this slot lands in at the latest
-        return slot.next_batch + sum(s == slot.index for s, _ in started.values()) // per_engine
+        return (slot.next_batch
+                + sum(s == slot.index for s, _ in started.values()) // share(slot.index))
 
     engine.version = weights.version
     engine.begin(sampler_seed(cfg.run.seed, "continuous", slots.first_batch, e))
@@ -336,18 +338,19 @@ def run_continuous(rt: Runtime, engine, scorer, source, slots: SlotSet, weights,
             shipped = False
             for slot in live:
                 mine = [grp for grp in ready if started[grp.index][0] == slot.index]
-                if len(mine) < per_engine or any(ch.unconsumed() >= ch.capacity
-                                                 for ch in slot.channels):
+                if len(mine) < share(slot.index) or any(ch.unconsumed() >= ch.capacity
+                                                        for ch in slot.channels.values()):
                     continue
                 others = [grp for grp in ready if started[grp.index][0] != slot.index]
                 was_queued = slots.queued()
-                shipped, left = _ship(rt, slots, slot, mine, started, per_engine, meter, pool,
-                                      weights, timeline, to_batch, data_bad_rows)
+                shipped, left = _ship(rt, slots, slot, mine, started, share(slot.index),
+                                      stride, meter, pool, weights, timeline, to_batch,
+                                      data_bad_rows)
                 ready = others + left
                 if shipped:
                     ahead.shipped(found_queued=was_queued)
                     break
-                due = due or len(left) >= per_engine
+                due = due or len(left) >= share(slot.index)
             if shipped:
                 refreshed = 0.0  # a batch boundary: slots may change hands here
                 continue
@@ -407,7 +410,7 @@ def _keep(rt: Runtime, done: list[ScoredGroup], meter: Meter,
         return done
     # a policy whose every group is uninformative must not loop forever: after
     # max_sampling_rounds batches' worth of dropped groups, they fill (as in batch mode)
-    give_up = g.max_sampling_rounds * (g.prompts_per_step // rt.layout.engines)
+    give_up = g.max_sampling_rounds * (-(-g.prompts_per_step // rt.layout.engines))
     kept = []
     for grp in done:
         if not is_informative(grp.rewards):
@@ -422,10 +425,12 @@ def _keep(rt: Runtime, done: list[ScoredGroup], meter: Meter,
 
 
 def _ship(rt: Runtime, slots: SlotSet, slot, ready: list[ScoredGroup],
-          started: dict[int, tuple[int, int]], per_engine: int, meter: Meter, pool, weights,
-          timeline, to_batch, data_bad_rows: int) -> tuple[bool, list[ScoredGroup]]:
-    """Ship the slot's next batch b: `per_engine` of its complete groups (`ready`), chosen by
-    pick_batch. Returns (shipped, its groups left).
+          started: dict[int, tuple[int, int]], per_batch: int, stride: int, meter: Meter,
+          pool, weights, timeline, to_batch,
+          data_bad_rows: int) -> tuple[bool, list[ScoredGroup]]:
+    """Ship the slot's next batch b: `per_batch` of its complete groups (`ready`), chosen by
+    pick_batch (`stride`: the largest slot share, which numbers group ids). Returns (shipped,
+    its groups left).
 
     A group whose oldest token is older than b - k cannot happen by pick_batch's deadlines;
     should one (a safety net), it is discarded and counted in stale_groups_discarded."""
@@ -439,7 +444,7 @@ def _ship(rt: Runtime, slots: SlotSet, slot, ready: list[ScoredGroup],
             del started[grp.index]
     gids = pick_batch({grp.index: started[grp.index][1] for grp in fresh},
                       {gid: v for gid, (s, v) in started.items() if s == slot.index}, b, k,
-                      per_engine)
+                      per_batch)
     if gids is None:  # generate more first
         return False, fresh
     chosen = set(gids)
@@ -449,7 +454,7 @@ def _ship(rt: Runtime, slots: SlotSet, slot, ready: list[ScoredGroup],
         del started[gid]
     for j, grp in enumerate(take):
         grp.index = j
-    batch = to_batch(take, slot.index, b, per_engine)
+    batch = to_batch(take, slot.index, b, stride)
     if rt.cfg.run.samples_per_step and slot.index == 0:  # a few to read (generator/samples.py)
         append_rows(rt.run_dir / "samples" / "train.jsonl",
                     sample_rows(take, pool.engine.tokenizer, b + 1, "train",

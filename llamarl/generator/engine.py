@@ -290,7 +290,8 @@ class Engine:
         # start-up the same way, and unfreezes everything at shutdown.)
         gc.freeze()
 
-        sequences = sequences or cfg.prompts_per_step // cfg.engines * cfg.samples_per_prompt
+        sequences = sequences or (-(-cfg.prompts_per_step // cfg.engines)
+                                  * cfg.samples_per_prompt)
         check_model_context(model_path, cfg.max_model_len)
         check_block_size(cfg.block_size, on_cpu)
         self.block_size = cfg.block_size or default_block_size(on_cpu, cfg.max_model_len)

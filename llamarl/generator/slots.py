@@ -19,11 +19,12 @@ import time
 from dataclasses import dataclass, field
 
 from llamarl.buffer.channel import Channel
-from llamarl.buffer.channels import open_channel
-from llamarl.buffer.record import RolloutBatch, split_groups
+from llamarl.buffer.channels import info_key, open_channel
+from llamarl.buffer.record import RolloutBatch, split_counts
 from llamarl.data.dataset import PromptData
 from llamarl.data.loader import PromptLoader, shard
 from llamarl.data.prompts import PromptFormatter
+from llamarl.parallel.plan import plan_for
 from llamarl.runtime.roster import Roster
 from llamarl.runtime.setup import Runtime, log
 from llamarl.runtime.watchdog import peek
@@ -34,7 +35,8 @@ class Slot:
     index: int
     loader: PromptLoader
     held_out: list  # this slot's held-out prompts, encoded
-    channels: list[Channel]  # to trainer rank t
+    channels: dict[int, Channel]  # to each trainer rank the slot sends groups (shares.py)
+    counts: list[int]  # groups of each batch per channel, in the channels' order
     next_batch: int | None  # None while a takeover waits for its trainer ranks' word
     skip: set[int] = field(default_factory=set)  # trainer ranks that have next_batch already
 
@@ -49,6 +51,7 @@ class SlotSet:
         self.first_batch = first_batch  # the run's first batch in this launch (a resume's step)
         self.keep_states = keep_states
         self.me = rt.role.index
+        self.shares = plan_for(rt).shares  # which trainer ranks get which of a slot's groups
         self.roster = Roster(rt.store, rt.layout.engines)
         self.epoch = 0
         self.slots: dict[int, Slot] = {}
@@ -61,23 +64,25 @@ class SlotSet:
         if state is not None:
             own.loader.load_state_dict(state)
         elif first_batch:  # a checkpoint from before data states: every batch drew per_slot
-            own.loader.next(first_batch * self.per_slot)
+            own.loader.next(first_batch * self.per_slot(self.me))
         self.slots = {self.me: own}
 
-    @property
-    def per_slot(self) -> int:
-        return self.rt.cfg.generator.prompts_per_step // self.rt.layout.engines
+    def per_slot(self, s: int) -> int:
+        """Prompt groups slot s makes a step (shares.py: the slots' shares differ by at most
+        one)."""
+        return self.shares.groups_of_engine(s)
 
     def _slot(self, s: int, next_batch: int | None, takeover: str | None = None) -> Slot:
         cfg, engines = self.rt.cfg, self.rt.layout.engines
         train = self.fmt.encode(shard(self.data.train, s, engines))
         held_out = self.fmt.encode(self.data.held_out[s::engines])
         self.check(train + held_out)
-        channels = [open_channel(self.rt, s, t, "producer", takeover)
-                    for t in range(self.rt.layout.trainer_ranks)]
-        self.rt.watchdog.cleanups.extend(ch.close for ch in channels)
+        routes = self.shares.routes_of_engine(s)
+        channels = {route.trainer: open_channel(self.rt, s, route.trainer, "producer", takeover)
+                    for route in routes}
+        self.rt.watchdog.cleanups.extend(ch.close for ch in channels.values())
         return Slot(s, PromptLoader(train, cfg.run.seed, s, engines), held_out, channels,
-                    next_batch)
+                    [route.count for route in routes], next_batch)
 
     # -- at batch boundaries -------------------------------------------------------------
     def refresh(self) -> None:
@@ -105,7 +110,7 @@ class SlotSet:
                 continue
             self.leaving.discard(s)
             slot = self.slots.pop(s)
-            for ch in slot.channels:
+            for ch in slot.channels.values():
                 # Shared memory: its published batches stay until consumed, and the next
                 # holder releases what is left at the end (Channel.adopt). A payload that
                 # lives in this process is received before the slot is let go.
@@ -127,17 +132,18 @@ class SlotSet:
         if (state.epoch != self.epoch
                 or set(state.slots_of(self.me)) | self.leaving != set(self.slots)):
             return True
-        return any(sl.next_batch is None and all(ch.adopt() is not None for ch in sl.channels)
+        return any(sl.next_batch is None
+                   and all(ch.adopt() is not None for ch in sl.channels.values())
                    for sl in self.slots.values())
 
     def _resolve(self, slot: Slot) -> None:
         """A slot taken over: its next batch, once every channel knows where it stands."""
-        carried = [ch.adopt() for ch in slot.channels]  # batches each trainer rank has
-        if any(c is None for c in carried):
+        carried = {t: ch.adopt() for t, ch in slot.channels.items()}  # batches each has
+        if any(c is None for c in carried.values()):
             return  # a trainer rank has not answered yet (dist_channel.py)
-        s, n = slot.index, min(carried)
+        s, n = slot.index, min(carried.values())
         slot.next_batch = self.first_batch + n
-        slot.skip = {t for t, c in enumerate(carried) if c > n}
+        slot.skip = {t for t, c in carried.items() if c > n}
         if slot.next_batch > self.first_batch:
             key = f"slot/{s}/after/{slot.next_batch - 1}"
             slot.loader.load_state_dict(json.loads(self.rt.wait_key(key, timeout_s=60.0)))
@@ -162,10 +168,12 @@ class SlotSet:
 
     def queued(self) -> bool:
         """A batch of this engine still waits for the trainer."""
-        return any(ch.unconsumed() > 0 for sl in self.slots.values() for ch in sl.channels)
+        return any(ch.unconsumed() > 0 for sl in self.slots.values()
+                   for ch in sl.channels.values())
 
     def put(self, slot: Slot, batch: RolloutBatch, abort) -> None:
-        """Ship `batch` (slot.next_batch) to the trainer ranks, whole groups each."""
+        """Ship `batch` (slot.next_batch) to the trainer ranks, whole groups each: the
+        slot's contiguous runs of groups, in order (shares.py)."""
         b = slot.next_batch
         if self.keep_states:
             store = self.rt.store
@@ -178,9 +186,16 @@ class SlotSet:
             store.set(f"slot/{slot.index}/after/{b}", json.dumps(slot.loader.state_dict()))
             if b - 2 >= self.first_batch:
                 store.delete_key(f"slot/{slot.index}/after/{b - 2}")
-        for t, part in enumerate(split_groups(batch, self.rt.layout.trainer_ranks)):
-            if t not in slot.skip and slot.channels:
-                slot.channels[t].put(part, abort=abort)
+        # what trainer 0 reports and checkpoints of every slot's batch: carried by the
+        # batch when trainer 0 gets a part of it, else through the store (trainer/rollouts.py
+        # reads it), written before any part leaves so it is there once a part is trained
+        batch.info.update(behaviour_version=int(batch.policy_version.min()),
+                          generator=int(batch.generator[0]))
+        if 0 not in slot.channels:
+            self.rt.store.set(info_key(slot.index, b), json.dumps(batch.info))
+        for (t, channel), part in zip(slot.channels.items(), split_counts(batch, slot.counts)):
+            if t not in slot.skip:
+                channel.put(part, abort=abort)
         slot.skip = set()
         slot.next_batch += 1
 
@@ -188,8 +203,8 @@ class SlotSet:
         return {s: sl.held_out for s, sl in sorted(self.slots.items())}
 
     def last_put_s(self) -> float:
-        return sum(ch.last_put_s for sl in self.slots.values() for ch in sl.channels)
+        return sum(ch.last_put_s for sl in self.slots.values() for ch in sl.channels.values())
 
     def close(self) -> int:
         """Release unconsumed batches; returns how many."""
-        return sum(ch.close() for sl in self.slots.values() for ch in sl.channels)
+        return sum(ch.close() for sl in self.slots.values() for ch in sl.channels.values())

@@ -7,13 +7,16 @@ store is touched), in the style of runtime/layout.py.
                wsync<r>/pair<e>           trainer r, engine e's tp ranks           pair groups
     reshard    wsync<r>t<k>               trainer r, tp rank k of every engine     tp > 1, resharded
                                                                                    syncs, broadcasts
-    rollouts   xfer/e<e>t<r>              engine e's leader, trainer r             different nodes
+    rollouts   xfer/e<e>t<r>              engine e's leader, trainer r             different nodes,
+                                                                                   e sends r groups
     commands   engine<e>/commands         engine e's tp ranks                      tp > 1
     join       wsync<r>/join<e>.<n>       trainer r, replacement n of engine e     a --join (named
                                                                                    here, made later)
 
-Group rank i is member i of `ranks`. A rollout channel between ranks of one node goes through
-shared memory (buffer/shm.py) and needs no group. Shared or pair weight groups: sync.
+Group rank i is member i of `ranks`. Engine e sends trainer rank r rollouts only when their
+shares of the step's prompt groups meet (parallel/shares.py: a channel for each, 1-2 per engine
+when E >= T). A rollout channel between ranks of one node goes through shared memory
+(buffer/shm.py) and needs no group. Shared or pair weight groups: sync.
 weight_groups (auto picks pairs on NCCL when the job survives engine losses on one node, so a
 lost engine's groups can be aborted and the others go on).
 
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 
 from llamarl.config import reshards
 from llamarl.parallel.groups import broadcasts, default_backend
+from llamarl.parallel.shares import PromptShares, prompt_shares
 from llamarl.runtime.layout import Layout
 
 WEIGHTS, RESHARD, ROLLOUTS, COMMANDS = "weights", "reshard", "rollouts", "commands"
@@ -69,6 +73,7 @@ class CommPlan:
     weight_pairs: bool  # weight groups per (trainer, engine), else one per trainer rank
     reshard_groups: bool  # per-tp-rank broadcast groups for resharded syncs
     survives_engine_loss: bool  # the job goes on when an engine is lost
+    shares: PromptShares  # which engine sends which trainer rank which prompt groups
 
     # -- weights ------------------------------------------------------------------------
     def weight_groups(self, trainer: int) -> list[PlannedGroup]:
@@ -108,9 +113,19 @@ class CommPlan:
             for r, k in pairs]
 
     # -- rollouts -----------------------------------------------------------------------
+    def rollout_trainers(self, engine: int) -> list[int]:
+        """The trainer ranks engine (slot) `engine` has a channel to (shares.py)."""
+        return [route.trainer for route in self.shares.routes_of_engine(engine)]
+
+    def rollout_engines(self, trainer: int) -> list[int]:
+        """The engines trainer rank `trainer` has a channel from (shares.py)."""
+        return self.shares.engines_of_trainer(trainer)
+
     def rollout_group(self, engine: int, trainer: int) -> PlannedGroup | None:
         """The pair group of channel engine -> trainer rank when its ends are on different
-        nodes ([producer, consumer]); None when it goes through shared memory."""
+        nodes ([producer, consumer]); None when it goes through shared memory. Only for a
+        channel of the plan (rollout_trainers)."""
+        assert self.shares.linked(engine, trainer), (engine, trainer)
         lay = self.layout
         producer = lay.engine_global_ranks(engine)[0]
         consumer = lay.trainer_global_ranks[trainer]
@@ -136,12 +151,14 @@ class CommPlan:
         lay, role = self.layout, self.layout.role_of(global_rank)
         if role.role == "trainer":
             out = self.weight_groups(role.index)
-            rollouts = [self.rollout_group(e, role.index) for e in range(lay.engines)]
+            rollouts = [self.rollout_group(e, role.index)
+                        for e in self.rollout_engines(role.index)]
         else:
             out = self.receiver_groups(global_rank)
             command = self.command_group(role.index)
             out += [command] if command is not None else []
-            rollouts = ([self.rollout_group(role.index, r) for r in range(lay.trainer_ranks)]
+            rollouts = ([self.rollout_group(role.index, r)
+                         for r in self.rollout_trainers(role.index)]
                         if role.is_engine_leader else [])
         return out + self.reshard_groups_of(global_rank) + [g for g in rollouts if g]
 
@@ -157,7 +174,8 @@ def comm_plan(cfg, layout: Layout, backend: str) -> CommPlan:
     pairs = weight_pairs(cfg, layout, backend)
     reshard = (not pairs and layout.tp > 1 and reshards(cfg) and broadcasts(backend))
     return CommPlan(layout, backend, cfg.sync.transport, pairs, reshard,
-                    survives_engine_loss(cfg, layout, backend))
+                    survives_engine_loss(cfg, layout, backend),
+                    prompt_shares(cfg, layout.engines, layout.trainer_ranks))
 
 
 def weight_pairs(cfg, layout: Layout, backend: str) -> bool:

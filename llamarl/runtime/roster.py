@@ -172,3 +172,12 @@ class Roster:
                 store.add(LOCK, -1)
 
         return _Lock()
+
+
+def started_key(rank: int) -> str:
+    """Set by generator rank `rank` of the launch once it has built every group it shares
+    with the trainers at start-up (weights, resharding, its engine's rollout channels:
+    generator/loop.py). An engine lost before all its ranks have stops the job
+    (runtime/setup.py: engine_loss_excuse): the trainers wait in the making of those groups
+    for every engine of the launch."""
+    return f"started/{rank}"

@@ -96,8 +96,8 @@ class StepRows:
             "dropped_stale": int(s["dropped"]), "dropped_stale_total": rec.dropped_total,
             "batch_digest": hashlib.sha1(got.batch.token_ids.numpy().tobytes()).hexdigest()[:12]
             if got.batch is not None else "",
-            "behaviour_version_by_engine": {int(p.generator[0]): int(p.policy_version.min())
-                                            for p in got.parts if len(p)},
+            "behaviour_version_by_engine": {i["generator"]: i["behaviour_version"]
+                                            for i in info},
             "response_len": s["n_tokens"] / n_seqs,
             "finished_frac": s["finished"] / n_seqs,
             "tokens_generated": int(s["n_tokens"]),
