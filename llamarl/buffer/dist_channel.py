@@ -153,8 +153,12 @@ class DistChannel(Channel):
         """The batch of `desc`, or None if it is a lost producer's (dropped)."""
         if desc.get("pair", self.pair) != self.pair:
             return None  # from before a takeover (its producer is gone)
-        if self.group is None:  # the first batch of a takeover: build its pair
-            self.group = make_group(job_group_spec(self.rt, self.pair, CONSUMER, 2))
+        if self.group is None:  # the first batch of a takeover: build its pair, unless its
+            # producer is lost before (another takeover is announced): then it is dropped
+            self.group = make_group(job_group_spec(self.rt, self.pair, CONSUMER, 2),
+                                    give_up=lambda: self._taken_over() is not None)
+            if self.group is None:
+                return None
         buf = torch.empty(desc["size"], dtype=torch.uint8, device=self.device)
         if not self.follow:
             self.group.recv([buf], PRODUCER, 0).wait()

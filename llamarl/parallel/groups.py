@@ -13,6 +13,8 @@ Backends: NCCL for GPU tensors, gloo on CPU.
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -49,19 +51,103 @@ def planned_spec(rt, group, global_rank: int | None = None) -> GroupSpec:
     return job_group_spec(rt, group.name, group.rank_of(me), len(group.ranks))
 
 
-def make_group(spec: GroupSpec, store: dist.Store | None = None) -> dist.ProcessGroup:
-    """Construct the process group described by `spec` (a collective: all members must call)."""
+# Set to 1, gloo groups are built at their first operation, as NCCL makes a communicator
+# (ProcessGroupNCCL without a bound device): the CPU tests run NCCL's start-up semantics with
+# it (a peer lost before the first operation leaves that operation waiting), which plain gloo,
+# connected in its constructor, cannot show. make_group connects every group before it returns
+# (connect), so no operation of the job ever is a group's first.
+LAZY_GROUPS_ENV = "LLAMARL_LAZY_GROUPS"
+GIVE_UP_POLL_S = 0.05  # how often a group being made asks whether its peer is gone
+
+
+def make_group(spec: GroupSpec, store: dist.Store | None = None,
+               give_up: Callable[[], bool] | None = None) -> dist.ProcessGroup | None:
+    """Construct the process group described by `spec` and its communicator (a collective:
+    all members must call; they meet on the store). Returns once every member has; NCCL's
+    communicator is made here too (`connect`), not at the group's first operation, so a
+    member lost before that operation cannot leave another waiting in it.
+
+    `give_up()`: asked every GIVE_UP_POLL_S while the members are not all there (the group is
+    then made on a thread of its own); True gives up the group (a peer is gone for good, e.g.
+    a replacement engine lost before it was back): None is returned, and the thread, waiting
+    in the store or in NCCL's bootstrap, ends with sync.timeout_s. Without `give_up` a lost
+    peer ends this process through the watchdog (runtime/watchdog.py)."""
+    if give_up is None:
+        return _connected(spec, store)
+    made: list = []
+    failed: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            made.append(_connected(spec, store))
+        except BaseException as e:  # noqa: BLE001 - re-raised below unless given up
+            failed.append(e)
+
+    thread = threading.Thread(target=build, daemon=True, name=f"llamarl-group-{spec.prefix}")
+    thread.start()
+    while thread.is_alive():
+        thread.join(GIVE_UP_POLL_S)
+        if thread.is_alive() and give_up():
+            return None
+    if failed:
+        if give_up():
+            return None
+        raise failed[0]
+    return made[0]
+
+
+def _connected(spec: GroupSpec, store: dist.Store | None) -> dist.ProcessGroup:
     if store is None:
         store = connect_store(spec.host, spec.port, spec.timeout_s)
     prefixed = dist.PrefixStore(spec.prefix, store)
     timeout = timedelta(seconds=spec.timeout_s)
     if spec.backend == "gloo":
-        return dist.ProcessGroupGloo(prefixed, spec.rank, spec.size, timeout)
-    if spec.backend == "nccl":
+        if os.environ.get(LAZY_GROUPS_ENV) == "1":
+            group = LazyGlooGroup(prefixed, spec.rank, spec.size, timeout)
+        else:
+            return dist.ProcessGroupGloo(prefixed, spec.rank, spec.size, timeout)
+    elif spec.backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        return dist.ProcessGroupNCCL(prefixed, spec.rank, spec.size, opts)
-    raise ValueError(f"backend {spec.backend!r}: use gloo or nccl")
+        group = dist.ProcessGroupNCCL(prefixed, spec.rank, spec.size, opts)
+    else:
+        raise ValueError(f"backend {spec.backend!r}: use gloo or nccl")
+    connect(group)
+    return group
+
+
+def connect(group) -> None:
+    """Make `group`'s communicator now: one broadcast of one element from group rank 0, which
+    every member runs (NCCL creates a communicator at a group's first operation; gloo, built
+    connected, just meets)."""
+    device = (torch.device("cuda", torch.cuda.current_device()) if group.name() == "nccl"
+              else torch.device("cpu"))
+    _broadcast(group, torch.zeros(1, device=device), 0).wait()
+
+
+class LazyGlooGroup:
+    """A gloo group built at its first operation (LAZY_GROUPS_ENV): the members meet then, as
+    NCCL's members do when its communicator is made. Knows its rank and size before."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta):
+        self._args = (store, rank, size, timeout)
+        self._group: dist.ProcessGroupGloo | None = None
+        self._lock = threading.Lock()
+
+    def name(self) -> str:
+        return "gloo"
+
+    def rank(self) -> int:
+        return self._args[1]
+
+    def size(self) -> int:
+        return self._args[2]
+
+    def __getattr__(self, attr: str):  # send, recv, broadcast, ...: on the group, built now
+        with self._lock:
+            if self._group is None:
+                self._group = dist.ProcessGroupGloo(*self._args)
+        return getattr(self._group, attr)
 
 
 def default_backend(device: torch.device) -> str:
@@ -106,7 +192,7 @@ def point_to_point(group: dist.ProcessGroup) -> bool:
     is CPU work. (A send posted after its receive writes from the caller's thread, so the tiny
     model's publish takes ~0.3 ms longer.) NCCL enqueues broadcasts on its stream without a thread
     handoff, and with several engines its ring or tree beats the root sending each a copy."""
-    return isinstance(group, dist.ProcessGroupGloo) and not broadcasts("gloo")
+    return group.name() == "gloo" and not broadcasts("gloo")
 
 
 def post_to_all(group: dist.ProcessGroup, tensor: torch.Tensor, tag: int,

@@ -123,7 +123,18 @@ class EngineMembers(Members):
             return None
         spec = job_group_spec(self.rt, join_group_name(self.rt.role.index, e, n), 0,
                               1 + self.rt.layout.tp)
-        self.pairs[e] = (n, make_group(spec))  # a rendezvous with the replacement
+        store = self.rt.store
+
+        def gone() -> bool:  # lost before it built its end (its join request is withdrawn)
+            return not store.check([f"join/{e}"]) or store.get(f"join/{e}").decode() != n
+
+        group = make_group(spec, give_up=gone)  # a rendezvous with the replacement
+        if group is None:
+            log(self.rt, f"replacement {n} of engine {e} was lost before its first sync: "
+                         "no weights go to it (the job goes on as it did)")
+            self._requests.pop(e, None)
+            return None
+        self.pairs[e] = (n, group)
         if self.rt.role.index == 0:
             log(self.rt, f"sending weights to replacement engine {e} from sync {i}")
         return self.pairs[e][1]

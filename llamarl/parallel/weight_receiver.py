@@ -142,6 +142,9 @@ class WeightReceiver:
                 if s < len(targets) - 1:  # (no later sender to order after the last)
                     for work in works[s]:
                         work.wait()
+                    # waited once: a gloo receive's work must not be waited again (its
+                    # second wait waits for a second message, forever)
+                    works[s] = [Done()] * len(works[s])
             return works
         for b in range(max((len(t) for t in targets), default=0)):
             for s, sender_targets in enumerate(targets):

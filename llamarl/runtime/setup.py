@@ -28,7 +28,7 @@ from llamarl.runtime.dist_env import DistEnv
 from llamarl.runtime.gpus import placed_index
 from llamarl.runtime.job_store import StoreError, connect_store, job_prefix, open_job_store
 from llamarl.runtime.layout import Layout, RankRole
-from llamarl.runtime.roster import Roster
+from llamarl.runtime.roster import Roster, started_key
 from llamarl.runtime.run_dir import make_run_dir
 from llamarl.runtime.watchdog import Watchdog, peek
 
@@ -241,6 +241,15 @@ def engine_loss_excuse(layout: Layout, survives: bool):
             return False
         roster = Roster(store, layout.engines)
         ranks = layout.engine_global_ranks(role.index)
+        if (not store.check([started_key(r) for r in ranks])
+                and role.index not in roster.read().lost):
+            # lost in start-up: the trainers wait in the making of the groups they share
+            # with it (every member must be there), so the job cannot go on without it
+            print(f"llamarl: {cause}: generator {role.index} was lost during start-up, before "
+                  "it had built its groups with the trainers; the job stops "
+                  "(sync.engine_loss=continue goes on without engines lost after start-up): "
+                  "launch it again", file=sys.stderr, flush=True)
+            return False
         state, replaced = roster.mark_lost(role.index), False
         if state is None:  # another rank's watchdog declared it first, or it was a
             # replacement that died before it was back (it deleted its ranks' marks)

@@ -20,7 +20,13 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from llamarl.parallel.groups import make_group, point_to_point, post_from_root, post_to_all
+from llamarl.parallel.groups import (
+    broadcasts,
+    make_group,
+    point_to_point,
+    post_from_root,
+    post_to_all,
+)
 from llamarl.parallel.transports.base import (
     ReceiverTransport,
     SenderTransport,
@@ -119,7 +125,9 @@ class Receiver(ReceiverTransport):
         self.groups = groups if groups is not None else [make_group(g) for g in spec.groups]
         pairs = bool(spec.options.get("pairs"))
         self._p2p = [pairs or point_to_point(g) for g in self.groups]
-        nccl = any(g.name() == "nccl" for g in self.groups)
+        # NCCL, or gloo standing in for it (LLAMARL_GLOO_BROADCAST: the CPU tests of the GPU
+        # path, pair groups included)
+        nccl = any(g.name() == "nccl" for g in self.groups) or broadcasts("gloo")
         # NCCL: a receive posted early would hold the GPU while the engine generates
         self.posts_early = all(self._p2p) and not nccl
         # several communicators on one GPU (NCCL), or broadcasts: sender by sender (base.py)
