@@ -30,9 +30,11 @@ from llamarl.parallel.weight_plan import TensorMeta
 from llamarl.runtime.gpus import (
     GPU_INDEX_ENV,
     VISIBLE,
+    Placement,
     apply_placement,
     check_enough_gpus,
     check_mask_took_effect,
+    check_placed,
     place,
     vllm_cache_root,
 )
@@ -200,6 +202,10 @@ def test_a_mask_cuda_ignored_is_one_line():
                            "but CUDA shows it 8"), line
     check_mask_took_effect(11, 1, "3", 1)
     check_mask_took_effect(4, 0, "4,5", 2)
+    with pytest.raises(RuntimeError, match="rank 11 on node 1"):
+        check_placed(Placement("3", 0), 11, 1, 8)
+    check_placed(Placement("3", 0), 11, 1, 0)  # a torch without CUDA: a CPU run
+    check_placed(Placement(None, 3), 3, 0, 8)  # a trainer: no mask of its own
     with pytest.raises(RuntimeError, match="CUDA_VISIBLE_DEVICES=4,5 \\(2\\) but CUDA shows it 1"):
         check_mask_took_effect(4, 0, "4,5", 1)
 
@@ -485,3 +491,26 @@ def test_a_placed_replacements_tp_ranks_each_take_their_own_gpu(monkeypatch):
     monkeypatch.setenv(VISIBLE, "6")
     with pytest.raises(ValueError, match="sees 1 GPU"):
         join.spawn_tp_ranks(layout, env, "1", ["--join", "run"])
+
+
+def test_the_launch_stops_with_one_line_on_a_node_short_of_gpus(tmp_path):
+    """python -m llamarl.launch, 3 ranks a node on a node that shows 2 GPUs: one line from
+    local rank 0 and exit 2 at placement, before any store, model or engine (no GPU needed:
+    CUDA_VISIBLE_DEVICES names the node's GPUs)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(root), "RANK": "0", "WORLD_SIZE": "3",
+           "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "1", "CUDA_VISIBLE_DEVICES": "0,1", "HOME": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "llamarl.launch",
+                           str(root / "recipes" / "tiny_grpo_cpu.yaml"), "trainer.ranks=2",
+                           f"run.output_dir={tmp_path}"], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    assert lines == ["llamarl: error: rank 0 on node 0: 3 ranks a node but the node shows 2 "
+                     "GPUs (CUDA_VISIBLE_DEVICES=0,1); each rank needs a GPU of its own: launch "
+                     "--nproc-per-node 2 per node (with trainer.ranks and generator.engines x "
+                     "generator.tp to match) or show the node 3 GPUs"], lines

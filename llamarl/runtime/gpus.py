@@ -148,8 +148,9 @@ def vllm_cache_root(environ: dict) -> str:
 def check_placed(placement: Placement, rank: int, node: int, device_count: int) -> None:
     """After placement, in a GPU rank: the mask it set must be what CUDA shows
     (check_mask_took_effect). `device_count` is torch.cuda.device_count(), read by the caller
-    (through NVML: it starts no CUDA context)."""
-    if placement.visible is not None:
+    (through NVML: it starts no CUDA context). A count of 0 is a torch without CUDA (a CPU
+    run under a CUDA_VISIBLE_DEVICES left in the environment): nothing to check."""
+    if placement.visible is not None and device_count > 0:
         check_mask_took_effect(rank, node, placement.visible, device_count)
 
 
