@@ -513,4 +513,5 @@ def test_the_launch_stops_with_one_line_on_a_node_short_of_gpus(tmp_path):
     assert lines == ["llamarl: error: rank 0 on node 0: 3 ranks a node but the node shows 2 "
                      "GPUs (CUDA_VISIBLE_DEVICES=0,1); each rank needs a GPU of its own: launch "
                      "--nproc-per-node 2 per node (with trainer.ranks and generator.engines x "
-                     "generator.tp to match) or show the node 3 GPUs"], lines
+                     "generator.tp to match), show the node 3 GPUs, or hide them "
+                     "(CUDA_VISIBLE_DEVICES=) to run on the CPU"], lines

@@ -79,8 +79,8 @@ def check_enough_gpus(layout: Layout, rank: int, gpus: list[str]) -> None:
             f"rank {rank} on node {layout.node_of(rank)}: {layout.ranks_per_node} ranks a node "
             f"but the node shows {n} GPUs ({VISIBLE}={','.join(gpus)}); each rank needs a GPU "
             f"of its own: launch --nproc-per-node {n} per node (with trainer.ranks and "
-            f"generator.engines x generator.tp to match) or show the node "
-            f"{layout.ranks_per_node} GPUs")
+            f"generator.engines x generator.tp to match), show the node "
+            f"{layout.ranks_per_node} GPUs, or hide them ({VISIBLE}=) to run on the CPU")
 
 
 def check_mask_took_effect(rank: int, node: int, visible: str, device_count: int) -> None:
