@@ -27,7 +27,17 @@ from llamarl.generator.gpu_memory import (
 )
 from llamarl.generator.kv_cache import kv_bytes_per_token, sequence_bytes
 from llamarl.parallel.weight_plan import TensorMeta
-from llamarl.runtime.gpus import GPU_INDEX_ENV, VISIBLE, apply_placement
+from llamarl.runtime.gpus import (
+    GPU_INDEX_ENV,
+    VISIBLE,
+    Placement,
+    apply_placement,
+    check_enough_gpus,
+    check_mask_took_effect,
+    check_placed,
+    place,
+    vllm_cache_root,
+)
 from llamarl.runtime.layout import compute_layout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,6 +170,57 @@ def test_no_gpu_no_placement(monkeypatch):
     monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: False)
     env: dict = {}
     assert apply_placement(compute_layout(3, 3, 2, 1, 1), 2, 2, env) is None and env == {}
+
+
+def test_a_node_short_of_gpus_is_one_line_before_anything_loads():
+    """8 ranks a node on a node that shows 6 GPUs: place() used to wrap ranks 6 and 7 onto
+    GPUs 0 and 1 (a trainer's); now every rank's placement says so, naming the counts."""
+    layout = compute_layout(16, 8, 8, 8, 1)
+    six = [str(g) for g in range(6)]
+    for rank in (0, 6, 15):
+        with pytest.raises(ValueError) as e:
+            place(layout, rank, rank % 8, six)
+        line = str(e.value)
+        assert "\n" not in line and f"rank {rank} on node {rank // 8}:" in line, line
+        assert "8 ranks a node but the node shows 6 GPUs" in line, line
+        assert "--nproc-per-node 6" in line, line
+    check_enough_gpus(layout, 9, [str(g) for g in range(8)])  # enough: no error
+    # one GPU shown: Slurm's --gpus-per-task=1 (each task its own), or a one-GPU machine
+    # shared by a trainer and an engine on purpose
+    assert place(layout, 9, 1, ["5"]).index == 0
+    assert place(compute_layout(2, 2, 1, 1, 1), 1, 1, ["0"]).index == 0
+
+
+def test_a_mask_cuda_ignored_is_one_line():
+    """NVML failed, so counting the GPUs started CUDA and the engine's mask is ignored: CUDA
+    shows all 8 GPUs where the mask names 1 (vLLM would take GPU 0)."""
+    with pytest.raises(RuntimeError) as e:
+        check_mask_took_effect(11, 1, "3", 8)
+    line = str(e.value)
+    assert "\n" not in line, line
+    assert line.startswith("rank 11 on node 1: placed on GPU(s) CUDA_VISIBLE_DEVICES=3 (1) "
+                           "but CUDA shows it 8"), line
+    check_mask_took_effect(11, 1, "3", 1)
+    check_mask_took_effect(4, 0, "4,5", 2)
+    with pytest.raises(RuntimeError, match="rank 11 on node 1"):
+        check_placed(Placement("3", 0), 11, 1, 8)
+    check_placed(Placement("3", 0), 11, 1, 0)  # a torch without CUDA: a CPU run
+    check_placed(Placement(None, 3), 3, 0, 8)  # a trainer: no mask of its own
+    with pytest.raises(RuntimeError, match="CUDA_VISIBLE_DEVICES=4,5 \\(2\\) but CUDA shows it 1"):
+        check_mask_took_effect(4, 0, "4,5", 1)
+
+
+def test_the_engines_compile_cache_root_is_vllms_own():
+    """vLLM's default cache root (vllm/envs.py): VLLM_CACHE_ROOT, else $XDG_CACHE_HOME/vllm,
+    else ~/.cache/vllm; each engine's directory goes under it."""
+    home = str(Path.home())
+    assert vllm_cache_root({}) == f"{home}/.cache/vllm"
+    assert vllm_cache_root({"XDG_CACHE_HOME": "/scratch/c"}) == "/scratch/c/vllm"
+    assert vllm_cache_root({"XDG_CACHE_HOME": "/scratch/c", "VLLM_CACHE_ROOT": "/v"}) == "/v"
+    assert vllm_cache_root({"VLLM_CACHE_ROOT": "~/v"}) == f"{home}/v"
+    env = {VISIBLE: "0,1,2,3", "XDG_CACHE_HOME": "/scratch/c"}
+    apply_placement(compute_layout(4, 4, 2, 2, 1), 3, 3, env)
+    assert env["VLLM_CACHE_ROOT"] == "/scratch/c/vllm/llamarl-engine1"
 
 
 # -- memory ------------------------------------------------------------------------------------
@@ -336,6 +397,59 @@ def test_gpu_engine_kv_cache_of_the_recipes_size(fake_vllm, tiny_model_dir):
     assert kwargs["kv_cache_memory_bytes"] == GIB // 2 and "gpu_memory_utilization" not in kwargs
 
 
+class FailingLLM:
+    """vllm.LLM failing as vLLM 0.32 does on a GPU short of KV cache: after its executor chose
+    the attention backend's block size (32 here) in the VllmConfig its frames hold."""
+
+    def __init__(self, **kwargs):
+        from vllm.config import CacheConfig
+
+        vllm_config = SimpleNamespace(cache_config=CacheConfig(block_size=32))
+        assert vllm_config.cache_config.block_size == 32
+        raise ValueError("No available memory for the cache blocks. Try increasing "
+                         "`gpu_memory_utilization` when initializing the engine.")
+
+
+@pytest.mark.parametrize("extra,key,block", [
+    ({}, "generator.gpu_memory_utilization", 32),  # vLLM's choice, read off the failure
+    ({"kv_cache_gib": 0.5}, "generator.kv_cache_gib", 32),
+    ({"block_size": 64}, "generator.gpu_memory_utilization", 64),  # the recipe's, vLLM takes it
+])
+def test_a_gpu_engine_short_of_kv_cache_names_the_key_that_sizes_it(
+        fake_vllm, monkeypatch, tiny_model_dir, extra, key, block):
+    import vllm
+
+    from llamarl.generator.engine import Engine
+
+    monkeypatch.setattr(vllm, "LLM", FailingLLM)
+    cfg = GeneratorConfig(max_model_len=48, prompts_per_step=4, samples_per_prompt=2, **extra)
+    with pytest.raises(RuntimeError) as e:
+        Engine(str(tiny_model_dir), cfg, "bfloat16", 0, on_cpu=False)
+    per_token = kv_bytes_per_token(tiny_model_dir, "bfloat16")
+    # 8 sequences of 48 tokens in whole blocks: 2 blocks of 32 (64 tokens) or 1 of 64; the
+    # old 16-token count said 48
+    need = 8 * (64 if block in (32, 64) else 48) * per_token / GIB
+    line = str(e.value)
+    assert f"needs {need:.3g} GiB; raise {key}," in line, line
+
+
+def test_kv_cache_key_and_failed_block_size():
+    from llamarl.generator.engine import failed_block_size, kv_cache_key
+
+    assert kv_cache_key(False, 0.0) == "generator.gpu_memory_utilization"
+    assert kv_cache_key(False, 20.0) == "generator.kv_cache_gib"
+    assert kv_cache_key(True, 0.0) == "generator.kv_cache_gib"
+    try:
+        FailingLLM()
+    except ValueError as e:
+        assert failed_block_size(e, 0, 16) == 32
+        assert failed_block_size(e, 48, 16) == 48
+    try:
+        raise ValueError("out of memory")  # no VllmConfig in the frames: vLLM's default
+    except ValueError as e:
+        assert failed_block_size(e, 0, 16) == 16
+
+
 def test_gpu_engine_args_where_tp_ranks_see_one_gpu_each():
     from llamarl.generator.engine import EngineWorld, gpu_engine_args
 
@@ -377,3 +491,27 @@ def test_a_placed_replacements_tp_ranks_each_take_their_own_gpu(monkeypatch):
     monkeypatch.setenv(VISIBLE, "6")
     with pytest.raises(ValueError, match="sees 1 GPU"):
         join.spawn_tp_ranks(layout, env, "1", ["--join", "run"])
+
+
+def test_the_launch_stops_with_one_line_on_a_node_short_of_gpus(tmp_path):
+    """python -m llamarl.launch, 3 ranks a node on a node that shows 2 GPUs: one line from
+    local rank 0 and exit 2 at placement, before any store, model or engine (no GPU needed:
+    CUDA_VISIBLE_DEVICES names the node's GPUs)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(root), "RANK": "0", "WORLD_SIZE": "3",
+           "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "1", "CUDA_VISIBLE_DEVICES": "0,1", "HOME": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "llamarl.launch",
+                           str(root / "recipes" / "tiny_grpo_cpu.yaml"), "trainer.ranks=2",
+                           f"run.output_dir={tmp_path}"], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    assert lines == ["llamarl: error: rank 0 on node 0: 3 ranks a node but the node shows 2 "
+                     "GPUs (CUDA_VISIBLE_DEVICES=0,1); each rank needs a GPU of its own: launch "
+                     "--nproc-per-node 2 per node (with trainer.ranks and generator.engines x "
+                     "generator.tp to match), show the node 3 GPUs, or hide them "
+                     "(CUDA_VISIBLE_DEVICES=) to run on the CPU"], lines

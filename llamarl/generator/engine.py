@@ -159,6 +159,58 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {first_line(e, empty='')}"
 
 
+def kv_cache_key(on_cpu: bool, kv_cache_gib: float) -> str:
+    """The recipe key that sizes an engine's KV cache: generator.kv_cache_gib on a CPU, or on
+    a GPU where the recipe sets it (> 0, passed to vLLM as kv_cache_memory_bytes); else
+    generator.gpu_memory_utilization (vLLM's share of the GPU)."""
+    if on_cpu or kv_cache_gib > 0:
+        return "generator.kv_cache_gib"
+    return "generator.gpu_memory_utilization"
+
+
+def failed_block_size(e: BaseException, configured: int, fallback: int) -> int:
+    """Tokens per KV block of the engine vLLM failed to start: generator.block_size when set
+    (vLLM takes it), else the block size vLLM had chosen for the attention backend when it
+    failed, read off the VllmConfig in the failing frames (vLLM 0.32 sets it in the executor's
+    constructor, update_block_size_for_backend, before it sizes the cache; the engine core of
+    a tp 1 engine runs in this process, so its frames are in the traceback), else `fallback`
+    (vLLM's default for the platform, default_block_size)."""
+    if configured:
+        return configured
+    tb = e.__traceback__
+    while tb is not None:
+        config = tb.tb_frame.f_locals.get("vllm_config")
+        if config is None:
+            config = getattr(tb.tb_frame.f_locals.get("self"), "vllm_config", None)
+        block = getattr(getattr(config, "cache_config", None), "block_size", None)
+        if isinstance(block, int) and block > 0:
+            return block
+        tb = tb.tb_next
+    return fallback
+
+
+def startup_error_meaning(text: str, cfg: GeneratorConfig, sequences: int, need_bytes: int,
+                          key: str) -> str:
+    """The recipe's words for vLLM start-up error `text`: `need_bytes` is the KV cache the
+    largest generate call needs (its `sequences` at full length, in whole blocks) and `key`
+    the recipe key that sizes the cache (kv_cache_key)."""
+    text = text.lower()
+    if "does not use offset" in text:
+        return ("vLLM rewound a request's own random generator, which a CPU generator "
+                "cannot do (a seeded request was preempted, or its prefill chunked); "
+                "llamarl seeds the sampler per call and no request, so this is a bug to "
+                "report")
+    if "divisible by tensor parallel size" in text:
+        return (f"generator.tp {cfg.tp} must divide the model's attention heads "
+                "(each tp rank holds an equal share): choose a divisor of them")
+    if any(s in text for s in ("kv cache", "out of memory", "no available memory",
+                               "cache blocks", "larger than the maximum number of tokens")):
+        return (f"the KV cache is too small: one batch of {sequences} sequences x "
+                f"{cfg.max_model_len} tokens needs {need_bytes / GIB:.3g} GiB; raise {key}, or "
+                "lower generator.max_model_len or the batch")
+    return "the engine failed"
+
+
 @dataclass(frozen=True)
 class EngineWorld:
     """The private torch.distributed world of one tp>1 engine."""
@@ -379,25 +431,15 @@ class Engine:
         return sequence_bytes(self.cfg.max_model_len, self.block_size, self.bytes_per_token)
 
     def _meaning(self, e: BaseException) -> str:
-        """What an error escaping vLLM means for the user, in the recipe's terms."""
-        text = str(e).lower()
-        need = self.sequences * self._sequence_bytes() / GIB
-        key = ("generator.kv_cache_gib" if self.kv is None or not self.kv.gpu
-               else "generator.gpu_memory_utilization")
-        if "does not use offset" in text:
-            return ("vLLM rewound a request's own random generator, which a CPU generator "
-                    "cannot do (a seeded request was preempted, or its prefill chunked); "
-                    "llamarl seeds the sampler per call and no request, so this is a bug to "
-                    "report")
-        if "divisible by tensor parallel size" in text:
-            return (f"generator.tp {self.cfg.tp} must divide the model's attention heads "
-                    "(each tp rank holds an equal share): choose a divisor of them")
-        if any(s in text for s in ("kv cache", "out of memory", "no available memory",
-                                   "cache blocks", "larger than the maximum number of tokens")):
-            return (f"the KV cache is too small: one batch of {self.sequences} sequences x "
-                    f"{self.cfg.max_model_len} tokens needs {need:.3g} GiB; raise {key}, or "
-                    "lower generator.max_model_len or the batch")
-        return "the engine failed"
+        """What an error escaping vLLM's start-up means for the user, in the recipe's terms:
+        the key that sizes this engine's KV cache (kv_cache_key), and the need counted in
+        blocks of the size vLLM chose (failed_block_size), as the cache itself is."""
+        block = failed_block_size(e, self.cfg.block_size, self.block_size)
+        need = self.sequences * sequence_bytes(self.cfg.max_model_len, block,
+                                               self.bytes_per_token)
+        return startup_error_meaning(str(e), self.cfg, self.sequences, need,
+                                     kv_cache_key(self.kv is not None and not self.kv.gpu,
+                                                  self.cfg.kv_cache_gib))
 
     @spmd
     def generate(self, prompts: list[list[int]], n: int, temperature: float, max_tokens: int,

@@ -152,8 +152,23 @@ def main(argv: list[str] | None = None) -> int:
 
     # Each rank's GPU(s), before anything touches CUDA (runtime/gpus.py: vLLM would put every
     # engine on cuda:0)
-    from llamarl.runtime.gpus import apply_placement
-    if apply_placement(layout, env.rank, env.local_rank) is None:  # a CPU rank
+    from llamarl.runtime.gpus import apply_placement, check_placed
+    try:
+        placement = apply_placement(layout, env.rank, env.local_rank)
+        if placement is not None:  # the mask must have taken effect (CUDA not yet started)
+            import torch
+            check_placed(placement, env.rank, layout.node_of(env.rank),
+                         torch.cuda.device_count())
+    except ValueError as e:  # too few GPUs: every rank of the node finds it, local rank 0 says
+        if env.local_rank == 0:
+            say(f"llamarl: error: {e}")
+        else:
+            time.sleep(SILENT_RANK_GRACE_S)  # (as above)
+        return 2
+    except RuntimeError as e:  # this rank's mask did not take effect
+        say(f"llamarl: error: {e}")
+        return 2
+    if placement is None:  # a CPU rank
         from llamarl.runtime.allocator import keep_freed_memory
         keep_freed_memory()  # large tensors reuse freed memory, not fresh pages (allocator.py)
 

@@ -65,10 +65,45 @@ def node_gpus(environ: dict) -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
+def check_enough_gpus(layout: Layout, rank: int, gpus: list[str]) -> None:
+    """ValueError when rank `rank`'s node runs more ranks than it shows GPUs: `place` would
+    otherwise wrap the ranks modulo the count, and an engine would land on a trainer's GPU
+    (vLLM's "Free memory on device" error) or two trainers share one, said by nothing.
+
+    One GPU shown is not checked: under Slurm's --gpus-per-task=1 every task sees its own GPU
+    alone (so one shown is no count of the node's), and on a one-GPU machine a trainer and an
+    engine share it on purpose (the engine takes its share: generator.gpu_memory_utilization)."""
+    n = len(gpus)
+    if n > 1 and layout.ranks_per_node > n:
+        raise ValueError(
+            f"rank {rank} on node {layout.node_of(rank)}: {layout.ranks_per_node} ranks a node "
+            f"but the node shows {n} GPUs ({VISIBLE}={','.join(gpus)}); each rank needs a GPU "
+            f"of its own: launch --nproc-per-node {n} per node (with trainer.ranks and "
+            f"generator.engines x generator.tp to match), show the node "
+            f"{layout.ranks_per_node} GPUs, or hide them ({VISIBLE}=) to run on the CPU")
+
+
+def check_mask_took_effect(rank: int, node: int, visible: str, device_count: int) -> None:
+    """RuntimeError when the process sees `device_count` GPUs after placement set
+    CUDA_VISIBLE_DEVICES to `visible`: CUDA started before the mask (counting the GPUs fell
+    back from NVML to cudaGetDeviceCount, which starts the driver), so the mask is ignored and
+    vLLM's worker would take the node's GPU 0, another rank's, without a word."""
+    entries = [g for g in visible.split(",") if g.strip()]
+    if device_count != len(entries):
+        raise RuntimeError(
+            f"rank {rank} on node {node}: placed on GPU(s) {VISIBLE}={visible} "
+            f"({len(entries)}) but CUDA shows it {device_count}: the CUDA driver started "
+            f"before the mask (NVML could not count the GPUs, so torch asked CUDA); make NVML "
+            f"work in this process (libnvidia-ml.so on the library path) or set {VISIBLE} "
+            "per rank before the launch (Slurm --gpus-per-task=1)")
+
+
 def place(layout: Layout, rank: int, local_rank: int, gpus: list[str]) -> Placement:
     """The placement of global rank `rank` (local rank `local_rank` on its node, which shows
-    the process `gpus`). A pure function (tests/test_gpu_placement.py)."""
+    the process `gpus`). A pure function (tests/test_gpu_placement.py). ValueError when the
+    node shows fewer GPUs than it runs ranks (check_enough_gpus)."""
     assert gpus, "no GPU to place on"
+    check_enough_gpus(layout, rank, gpus)
     role = layout.role_of(rank)
     n = len(gpus)
     if role.role == "trainer":
@@ -97,9 +132,26 @@ def apply_placement(layout: Layout, rank: int, local_rank: int,
     role = layout.role_of(rank)
     if role.role == "generator":
         # vLLM's compile cache, one per engine (see the module's docstring)
-        root = env.get(VLLM_CACHE) or str(Path.home() / ".cache" / "vllm")
-        env[VLLM_CACHE] = str(Path(root) / f"llamarl-engine{role.index}")
+        env[VLLM_CACHE] = str(Path(vllm_cache_root(env)) / f"llamarl-engine{role.index}")
     return placement
+
+
+def vllm_cache_root(environ: dict) -> str:
+    """vLLM's own cache root for `environ` (vllm/envs.py VLLM_CACHE_ROOT's default):
+    VLLM_CACHE_ROOT when set, else $XDG_CACHE_HOME/vllm, else ~/.cache/vllm."""
+    if environ.get(VLLM_CACHE):
+        return os.path.expanduser(environ[VLLM_CACHE])
+    xdg = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return os.path.expanduser(os.path.join(xdg, "vllm"))
+
+
+def check_placed(placement: Placement, rank: int, node: int, device_count: int) -> None:
+    """After placement, in a GPU rank: the mask it set must be what CUDA shows
+    (check_mask_took_effect). `device_count` is torch.cuda.device_count(), read by the caller
+    (through NVML: it starts no CUDA context). A count of 0 is a torch without CUDA (a CPU
+    run under a CUDA_VISIBLE_DEVICES left in the environment): nothing to check."""
+    if placement.visible is not None and device_count > 0:
+        check_mask_took_effect(rank, node, placement.visible, device_count)
 
 
 def placed_index(environ: dict | None = None) -> int | None:
