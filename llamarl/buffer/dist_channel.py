@@ -1,5 +1,13 @@
-"""Cross-host rollout transport: the payload travels over a two-rank process group (gloo on
-CPU, NCCL on GPU) built on the job store; control is the store's, as for every channel.
+"""Cross-host rollout transport: the payload travels over a two-rank gloo process group built on
+the job store, from host memory to host memory, on GPU jobs too; control is the store's, as for
+every channel.
+
+Why gloo on GPUs: a rollout batch is small (about 0.6 MB a channel a step for a 7B GRPO step,
+docs/scaling.md) and is packed and unpacked in host memory anyway, while an NCCL pair would be
+one more communicator on the engine's GPU (memory, start-up) whose sends, posted from this
+channel's thread, would be in flight beside the weight sync's receives: two communicators'
+kernels on one GPU in no agreed order, which can deadlock (bench/nccl_order_check.py finds it at
+one trainer and one engine). Over gloo no rollout byte touches a GPU stream.
 
 The producer hands packed batches to a sender thread, so a generator never blocks in a send
 while the trainer is busy: `put` returns as soon as the descriptor is queued. Sends and
@@ -29,7 +37,7 @@ import torch
 from llamarl.buffer import pack
 from llamarl.buffer.channel import POLL_S, Channel
 from llamarl.buffer.record import RolloutBatch
-from llamarl.parallel.groups import default_backend, job_group_spec, make_group
+from llamarl.parallel.groups import job_group_spec, make_group
 
 PRODUCER, CONSUMER = 0, 1
 TAKEOVER_POLL_S = 0.05  # how often a waiting consumer looks for a takeover
@@ -40,10 +48,10 @@ class DistChannel(Channel):
                  takeover: str | None = None):
         super().__init__(rt.store, channel, capacity, rt.watchdog.check)
         self.rt = rt
-        self.transport = default_backend(rt.device) + " (cross-host)"
+        self.transport = "gloo (cross-host)"
         assert side in ("producer", "consumer"), side
         self.rank = PRODUCER if side == "producer" else CONSUMER
-        self.device = rt.device
+        self.device = torch.device("cpu")  # host memory at both ends (module doc)
         # consumer: give up on a lost producer when a takeover is announced (see module doc)
         self.follow = follow
         self.takeover_key = f"buf/{channel}/takeover"
@@ -57,7 +65,7 @@ class DistChannel(Channel):
             return
         # Both ends construct the launch's pair group (a rendezvous on the store).
         self.pair = f"xfer/{channel}"
-        self.group = make_group(job_group_spec(rt, self.pair, self.rank, 2))
+        self.group = make_group(job_group_spec(rt, self.pair, self.rank, 2, "gloo"))
 
     # -- producer -------------------------------------------------------------------------
     def begin_takeover(self, name: str) -> None:
@@ -92,17 +100,11 @@ class DistChannel(Channel):
     def _send_loop(self) -> None:
         try:
             if self.group is None:  # a takeover's pair: the consumer builds it at our batch
-                self.group = make_group(job_group_spec(self.rt, self.pair, PRODUCER, 2))
+                self.group = make_group(job_group_spec(self.rt, self.pair, PRODUCER, 2,
+                                                       "gloo"))
             while True:
-                # Moved to the device here, on this thread's stream: on NCCL a send's wait only
-                # orders the waiting thread's stream after it, and the engine's main thread
-                # runs on a stream of vLLM's own, whose next allocation could reuse the
-                # payload's memory while the send (pending until the trainer receives) still
-                # reads it. The synchronize keeps it until the GPU has sent it.
-                payload = self._outbox.get().to(self.device)
+                payload = self._outbox.get()  # (host memory: pack.pack makes it there)
                 self.group.send([payload], CONSUMER, 0).wait()
-                if payload.is_cuda:
-                    torch.cuda.current_stream(payload.device).synchronize()
                 del payload
         except BaseException as e:
             self._error = e
@@ -155,7 +157,7 @@ class DistChannel(Channel):
             return None  # from before a takeover (its producer is gone)
         if self.group is None:  # the first batch of a takeover: build its pair, unless its
             # producer is lost before (another takeover is announced): then it is dropped
-            self.group = make_group(job_group_spec(self.rt, self.pair, CONSUMER, 2),
+            self.group = make_group(job_group_spec(self.rt, self.pair, CONSUMER, 2, "gloo"),
                                     give_up=lambda: self._taken_over() is not None)
             if self.group is None:
                 return None

@@ -37,11 +37,13 @@ class GroupSpec:
     timeout_s: float
 
 
-def job_group_spec(rt, name: str, rank: int, size: int) -> GroupSpec:
+def job_group_spec(rt, name: str, rank: int, size: int,
+                   backend: str | None = None) -> GroupSpec:
     """Group `name` of the running job (a runtime.setup.Runtime) on its store, under the
-    job's prefix, on this rank's backend; this process is group rank `rank` of `size`."""
+    job's prefix, on this rank's backend (or `backend`); this process is group rank `rank`
+    of `size`."""
     return GroupSpec(rt.env.master_addr, rt.env.master_port, f"{rt.prefix}/{name}", rank, size,
-                     default_backend(rt.device), rt.cfg.sync.timeout_s)
+                     backend or default_backend(rt.device), rt.cfg.sync.timeout_s)
 
 
 def planned_spec(rt, group, global_rank: int | None = None) -> GroupSpec:

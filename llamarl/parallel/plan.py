@@ -13,6 +13,9 @@ store is touched), in the style of runtime/layout.py.
     join       wsync<r>/join<e>.<n>       trainer r, replacement n of engine e     a --join (named
                                                                                    here, made later)
 
+Rollout pair groups are gloo groups on every job, GPU jobs included (host memory to host memory,
+buffer/dist_channel.py says why): no NCCL communicator, so `gpu_communicators` leaves them out.
+
 Group rank i is member i of `ranks`. Engine e sends trainer rank r rollouts only when their
 shares of the step's prompt groups meet (parallel/shares.py: a channel for each, 1-2 per engine
 when E >= T). A rollout channel between ranks of one node goes through shared memory
@@ -163,6 +166,14 @@ class CommPlan:
         return out + self.reshard_groups_of(global_rank) + [g for g in rollouts if g]
 
 
+    def gpu_communicators(self, global_rank: int) -> list[PlannedGroup]:
+        """The groups of `groups_of` that are NCCL communicators on this rank's GPU (on an
+        NCCL plan: all but the rollout pairs, which are gloo); none on gloo."""
+        if self.backend != "nccl":
+            return []
+        return [g for g in self.groups_of(global_rank) if g.purpose != ROLLOUTS]
+
+
 def plan_for(rt) -> CommPlan:
     """The plan of a running job (a runtime.setup.Runtime): its groups on NCCL when this rank
     is on a GPU, on gloo on the CPU."""
@@ -201,9 +212,9 @@ def survives_engine_loss(cfg, layout: Layout, backend: str) -> bool:
       (sync.transport torch), or the filesystem transport, which waits for no receiver;
       rollouts across hosts go point to point on gloo pair groups too;
     * NCCL (GPU): the filesystem transport on one node. Its weights wait for no receiver and
-      its rollouts go through shared memory; across nodes rollouts take NCCL pair groups,
-      whose pending operations a lost peer would hold until sync.timeout_s, and the torch
-      transport's NCCL broadcast cannot drop a member (docs/operations.md says what is left).
+      its rollouts go through shared memory (across nodes they take gloo pair groups), and
+      the torch transport's NCCL broadcast cannot drop a member (docs/operations.md says what
+      is left).
 
     Batch and continuous generation both hand slots over at batch boundaries
     (generator/slots.py). An engine of tp > 1 is lost whole (runtime/watchdog.py: its other
