@@ -57,7 +57,9 @@ WATCHERS = 2
 # the window extends past it (several sweeps: a sweep of a loaded rank can take 2 s)
 STALE_S = 3.0 * HEARTBEAT_S
 HB_READY = "hb/ready"  # set once rank 0 has created every rank's heartbeat counter
-PROCS = "procs"  # one line a process, appended at its start: rank, host, pid
+# procs/<host>: one line a process of that host, appended at its start (rank, host, pid);
+# procs/<host>/n: how many
+PROCS = "procs"
 # how long the store's host, ending (a failure, a peer's, or SIGTERM), waits for its peers to
 # read why and mark themselves stopped before it ends, and the store with it:
 # Watchdog._linger_for_peers
@@ -110,7 +112,7 @@ class Watchdog:
         # when this rank last saw it move between two of its reads (`_window`)
         self._last: dict[int, tuple[int, float]] = {}
         self._moved: dict[int, float] = {}
-        self._procs_seen = -1  # the length of the process list when last read
+        self._procs_seen = -1  # the length of this host's process list when last read
         # a replacement's tp rank 0: the processes of its other tp ranks (launch/join.py). One
         # that ends badly may do so before it could be watched as a peer (its setup)
         self.children: list = []  # [(its rank, its subprocess.Popen)]
@@ -134,8 +136,9 @@ class Watchdog:
         self._store = self.make_store()
         info = {"host": self.host, "pid": os.getpid()}
         self._store.set(f"proc/{self.rank}", json.dumps(info))
-        self._store.append(PROCS, json.dumps({"rank": self.rank, **info}) + "\n")
-        self._store.add(f"{PROCS}/n", 1)
+        self._store.append(f"{PROCS}/{self.host}", json.dumps({"rank": self.rank, **info})
+                           + "\n")
+        self._store.add(f"{PROCS}/{self.host}/n", 1)
         self._store.add(f"hb/{self.rank}", 1)
         if self.rank == 0:  # every counter exists from here on: the peers read them in one
             # call (a missing key would make it wait). N calls once, by one rank.
@@ -246,20 +249,20 @@ class Watchdog:
         return None
 
     def _local_pids(self, store, peers: list[int]) -> None:
-        """Learn the process of every peer in `peers` not known yet: its pid if it runs on
-        this host, else -1. Read from the job's process list (PROCS), and only when it has
-        grown: no store call once every peer is known, one while some are not."""
-        if all(r in self._peers_proc for r in peers):
-            return
-        n = int(store.add(f"{PROCS}/n", 0))
+        """Learn the process of every peer in `peers` that runs on this host and is not known
+        yet (its pid; a peer elsewhere stays unknown, as -1 to the readers). Read from this
+        host's process list (`procs/<host>`), and only when it has grown: one store key a
+        call, and a read of the host's few lines, not of the job's N (each rank reading a
+        list of N lines while it grows at start-up made N^2 lines)."""
+        n = int(store.add(f"{PROCS}/{self.host}/n", 0))
         if n == self._procs_seen:
             return
-        self._procs_seen, host, wanted = n, self.host, set(peers)
-        for line in store.get(PROCS).decode().splitlines():
+        self._procs_seen, wanted = n, set(peers)
+        for line in store.get(f"{PROCS}/{self.host}").decode().splitlines():
             info = json.loads(line)
             r = info["rank"]
             if r in wanted and r not in self._peers_proc:
-                self._peers_proc[r] = info["pid"] if info["host"] == host else -1
+                self._peers_proc[r] = info["pid"]
 
     def _gone_peer(self, store=None) -> int | None:
         """A same-host peer whose process no longer runs (missing or a zombie) and that did
@@ -457,6 +460,7 @@ class Watchdog:
             if not store.check([f"done/{r}"]):
                 self.excused.discard(r)
                 self._peers_proc.pop(r, None)
+                self._procs_seen = -1  # (its replacement's line may be there already)
                 self._last.pop(r, None)
                 self._moved.pop(r, None)
         for e in Roster(store, self.layout.engines).read().lost:
