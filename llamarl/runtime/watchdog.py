@@ -5,7 +5,7 @@ Each rank's watchdog thread bumps its own heartbeat counter in the job store onc
 few peers only: those after it in rank order (wrapping around), up to and including the
 WATCHERS-th that it has seen move within STALE_S (`_window`). So every rank is watched by its
 WATCHERS nearest live predecessors, and the store serves a constant number of keys per rank
-a second, ~5 N for N ranks whatever the layout (bench/watchdog_store_load.py; it read N
+a second, ~6 N for N ranks whatever the layout (bench/watchdog_store_load.py; it read N
 counters per rank, N^2 keys a second, before). A peer that stops moving makes the window
 extend past it (at most `layout.ranks_per_node` more peers: a lost node's ranks are all read
 from the same sweep on), so a dead peer's successors stay watched. What one watcher finds
