@@ -3,11 +3,11 @@ loop (llamarl/runtime/watchdog.py), spread over a few client processes as thread
 
 For each N it reports the store calls and the keys a second the watchdogs make (counted at the
 clients, every call of the store API; a call of several keys, `multi_get` or `check`, counts
-each key: the store does the work of each), each watchdog's sweep period (seconds between its own heartbeats,
-median over the ranks; HEARTBEAT_S when the sweep itself costs nothing), and the peers they
-found dead although every one of them was running: the false dead-peer reports, which must be
-none. The layout is the 1024-GPU one of docs/scaling.md scaled down (a quarter trainer ranks,
-the rest engines of tp 1), 8 ranks a node (`--ranks-per-node`; 1: every rank a host).
+each key: the store does the work of each), each watchdog's sweep period (seconds between its
+own heartbeats, median over the ranks; HEARTBEAT_S when the sweep itself costs nothing), and
+the peers they found dead although every one of them was running: the false dead-peer reports,
+which must be none. The layout is the 1024-GPU one of docs/scaling.md scaled down (a quarter
+trainer ranks, the rest engines of tp 1), 8 ranks a node (`--ranks-per-node`; 1: every rank a host).
 
 On the 2-core machine the client side is emulated: N ranks' Python loops share two cores, so
 the ranks' own CPU work is N times what one rank does on a cluster. Hosts are emulated: each
@@ -33,7 +33,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness import bench_parser, write_result  # noqa: E402
-
 
 MANY_KEYS = {"multi_get", "multi_set", "check", "wait"}  # store calls whose first argument
 # is a list of keys
