@@ -102,7 +102,9 @@ def test_a_frozen_rank_is_found_by_its_watchers_and_every_rank_stops_naming_it(s
     assert found and found <= {1, 2}, events  # its two predecessors read it, nobody else
     assert all("rank 3 (generator 1) is dead (no heartbeat" in cause for _, cause in events)
     assert all(cause.startswith("stopping: ") for r, cause in events if r not in found)
-    assert took < 3.0 + 2 * STALE_S, took
+    # dead_after_s, a sweep to see its last move and one to read `failed`, and slack for a
+    # loaded machine: well under the window's worst case (STALE_S more per rank passed)
+    assert took < 3.0 + 3 * STALE_S, took
 
 
 def test_a_lost_engine_reaches_every_rank_through_the_roster_and_its_replacement_is_watched(
