@@ -207,6 +207,7 @@ def setup(cfg: Config, layout: Layout, env: DistEnv, joining: str = "", *,
     if joining:  # a replacement engine (launch/join.py): the peers watch this rank again
         store.delete_key(f"done/{env.rank}")
         store.delete_key(f"left/{env.rank}")  # (the loss line of its predecessor's engine)
+        Roster(store, layout.engines).note_change()  # (the watchdogs look: _follow_roster)
     if rt.run_dir.is_dir():  # shared filesystem (always on one host): who runs where
         with open(rt.run_dir / "ranks.jsonl", "a") as f:
             f.write(json.dumps({"rank": env.rank, "role": role.name, "host": socket.gethostname(),
@@ -269,6 +270,8 @@ def engine_loss_excuse(layout: Layout, survives: bool):
             return False  # the last engine: the job cannot go on
         for r in ranks:
             store.set(f"done/{r}", "lost")
+        roster.note_change()  # (again: the watchdogs that did not find it dead excuse its
+        # ranks by these marks, runtime/watchdog.py: _follow_roster)
         moved = [s for s in range(layout.engines) if state.owner[s] != s]  # made by others
         print(f"llamarl: {cause}: the job goes on with {len(state.live)} of {layout.engines} "
               f"engines; "

@@ -1,15 +1,22 @@
 """Liveness for the whole job: a dead or failed peer becomes a named error on every rank.
 
-Each rank's watchdog thread bumps its own heartbeat counter in the job store once a second and
-reads everyone else's, all in one call (`multi_get`: rank 0 creates every counter at start,
-`hb/ready`), so a sweep costs a rank a handful of store calls whatever the job's size, and the
-store serves about 3 N calls a second for N ranks (not 2 N^2: one check and one read per peer
-per rank, as it was; bench/watchdog_store_load.py). The store still reads N^2 keys a second
-(N counters for each rank): a per-node aggregator would make that N too. A rank fails the job
+Each rank's watchdog thread bumps its own heartbeat counter in the job store once a second
+(`hb/<rank>`; rank 0 creates every counter at start, `hb/ready`) and reads the counters of a
+few peers only: those after it in rank order (wrapping around), up to and including the
+WATCHERS-th that it has seen move within STALE_S (`_window`). So every rank is watched by its
+WATCHERS nearest live predecessors, and the store serves a constant number of keys per rank
+a second, ~6 N for N ranks whatever the layout (bench/watchdog_store_load.py; it read N
+counters per rank, N^2 keys a second, before). A peer that stops moving makes the window
+extend past it (at most `layout.ranks_per_node` more peers: a lost node's ranks are all read
+from the same sweep on), so a dead peer's successors stay watched. What one watcher finds
+reaches the others through the store: a failure through the `failed` key that every rank
+reads each sweep, a lost engine through the roster (`roster/changes`, read each sweep; the
+roster when it moved: `_follow_roster`). A rank fails the job
 when:
   * a peer wrote a failure report (`report_failure`, on an exception), or
   * a peer on this host has exited (its pid is gone: found within a second, e.g. kill -9), or
-  * a peer's counter has not moved for `dead_after_s` and the peer did not say it is done, or
+  * a peer it watches has a counter that has not moved for `dead_after_s` and the peer did
+    not say it is done, or
   * the store itself is unreachable (the launcher agent or rank 0 died).
 The thread then prints one line naming the rank and role, runs the cleanup hooks (shared memory)
 and ends the process with `os._exit(1)`: the main thread may be blocked inside a collective that
@@ -40,10 +47,19 @@ import time
 from collections.abc import Callable
 
 from llamarl.runtime.layout import Layout
+from llamarl.runtime.roster import CHANGES, Roster
 
 HEARTBEAT_S = 1.0
+# each rank is watched by this many of its nearest live predecessors in rank order: one more
+# than needed, so a watcher that is slow or dead itself never leaves a rank unwatched
+WATCHERS = 2
+# a peer whose counter this rank has not seen move for this long does not count as watched:
+# the window extends past it (several sweeps: a sweep of a loaded rank can take 2 s)
+STALE_S = 3.0 * HEARTBEAT_S
 HB_READY = "hb/ready"  # set once rank 0 has created every rank's heartbeat counter
-PROCS = "procs"  # one line a process, appended at its start: rank, host, pid
+# procs/<host>: one line a process of that host, appended at its start (rank, host, pid);
+# procs/<host>/n: how many
+PROCS = "procs"
 # how long the store's host, ending (a failure, a peer's, or SIGTERM), waits for its peers to
 # read why and mark themselves stopped before it ends, and the store with it:
 # Watchdog._linger_for_peers
@@ -86,7 +102,17 @@ class Watchdog:
         self._leaving = threading.Lock()
         self._leaving_thread: threading.Thread | None = None
         self._peers_proc: dict[int, int] = {}  # same-host peers: rank -> pid (-1: elsewhere)
-        self._procs_seen = -1  # the length of the process list when last read
+        self.host = socket.gethostname()  # (bench/watchdog_store_load.py emulates hosts)
+        # the peers in the order this rank watches them: the ones after it, wrapping around
+        world = layout.world_size
+        self._ring = [r % world for r in range(rank + 1, rank + world)]
+        # at most this many peers read a sweep: WATCHERS live ones past a lost node's ranks
+        self._most_watched = WATCHERS + layout.ranks_per_node
+        # per peer read: (its counter when it last changed, when this rank saw that), and
+        # when this rank last saw it move between two of its reads (`_window`)
+        self._last: dict[int, tuple[int, float]] = {}
+        self._moved: dict[int, float] = {}
+        self._procs_seen = -1  # the length of this host's process list when last read
         # a replacement's tp rank 0: the processes of its other tp ranks (launch/join.py). One
         # that ends badly may do so before it could be watched as a peer (its setup)
         self.children: list = []  # [(its rank, its subprocess.Popen)]
@@ -108,10 +134,11 @@ class Watchdog:
 
     def start(self) -> None:
         self._store = self.make_store()
-        info = {"host": socket.gethostname(), "pid": os.getpid()}
+        info = {"host": self.host, "pid": os.getpid()}
         self._store.set(f"proc/{self.rank}", json.dumps(info))
-        self._store.append(PROCS, json.dumps({"rank": self.rank, **info}) + "\n")
-        self._store.add(f"{PROCS}/n", 1)
+        self._store.append(f"{PROCS}/{self.host}", json.dumps({"rank": self.rank, **info})
+                           + "\n")
+        self._store.add(f"{PROCS}/{self.host}/n", 1)
         self._store.add(f"hb/{self.rank}", 1)
         if self.rank == 0:  # every counter exists from here on: the peers read them in one
             # call (a missing key would make it wait). N calls once, by one rank.
@@ -222,20 +249,20 @@ class Watchdog:
         return None
 
     def _local_pids(self, store, peers: list[int]) -> None:
-        """Learn the process of every peer in `peers` not known yet: its pid if it runs on
-        this host, else -1. Read from the job's process list (PROCS), and only when it has
-        grown: no store call once every peer is known, one while some are not."""
-        if all(r in self._peers_proc for r in peers):
-            return
-        n = int(store.add(f"{PROCS}/n", 0))
+        """Learn the process of every peer in `peers` that runs on this host and is not known
+        yet (its pid; a peer elsewhere stays unknown, as -1 to the readers). Read from this
+        host's process list (`procs/<host>`), and only when it has grown: one store key a
+        call, and a read of the host's few lines, not of the job's N (each rank reading a
+        list of N lines while it grows at start-up made N^2 lines)."""
+        n = int(store.add(f"{PROCS}/{self.host}/n", 0))
         if n == self._procs_seen:
             return
-        self._procs_seen, host, wanted = n, socket.gethostname(), set(peers)
-        for line in store.get(PROCS).decode().splitlines():
+        self._procs_seen, wanted = n, set(peers)
+        for line in store.get(f"{PROCS}/{self.host}").decode().splitlines():
             info = json.loads(line)
             r = info["rank"]
             if r in wanted and r not in self._peers_proc:
-                self._peers_proc[r] = info["pid"] if info["host"] == host else -1
+                self._peers_proc[r] = info["pid"]
 
     def _gone_peer(self, store=None) -> int | None:
         """A same-host peer whose process no longer runs (missing or a zombie) and that did
@@ -264,7 +291,7 @@ class Watchdog:
         engine another rank declared lost never had it in `excused` here, so the marks a
         replacement deletes (`done/<rank>`) do not tell this watchdog to forget `pid`."""
         info = json.loads(store.get(f"proc/{rank}"))
-        now = info["pid"] if info["host"] == socket.gethostname() else -1
+        now = info["pid"] if info["host"] == self.host else -1
         if now == pid:
             return False
         self._peers_proc[rank] = now
@@ -318,15 +345,18 @@ class Watchdog:
     def _run(self) -> None:
         store = self._store
         peers = [r for r in range(self.layout.world_size) if r != self.rank]
-        last = {r: (-1, time.monotonic()) for r in peers}
         start = time.monotonic()
         try:  # peers lost before this rank started (it may be their replacement's tp rank):
-            # watched again once their replacement is back (below), not by their old pid
-            self.excused = {r for r in peers if peek(store, f"done/{r}") == b"lost"}
+            # watched again once their replacement is back (_follow_roster), not by their
+            # old pid. Only the lost engines' ranks are read: N reads by N ranks would be N^2
+            self.excused = {r for e in Roster(store, self.layout.engines).read().lost
+                            for r in self.layout.engine_global_ranks(e)
+                            if r != self.rank and peek(store, f"done/{r}") == b"lost"}
         except Exception:  # noqa: BLE001 - the loop below names a store that is gone
             pass
         ended: set[int] = set()  # peers that ended on their own terms (done/<rank>)
         ready = False  # every heartbeat counter exists (HB_READY)
+        changes = None  # the roster's change count when this rank last followed it
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 store.add(f"hb/{self.rank}", 1)
@@ -334,11 +364,10 @@ class Watchdog:
                 if msg:
                     self._die(msg, store, prefix="stopping: ")
                 now = time.monotonic()
-                for r in list(self.excused):  # a replacement took the rank: watch it again
-                    if not store.check([f"done/{r}"]):
-                        self.excused.discard(r)
-                        self._peers_proc.pop(r, None)
-                        last[r] = (-1, now)
+                moved = int(store.add(CHANGES, 0))
+                if moved != changes:  # an engine lost or replaced, by any rank's account
+                    changes = moved
+                    self._follow_roster(store)
                 for r in list(self.pending):  # its engine was declared lost by another rank
                     if store.check([f"done/{r}"]):
                         self.pending.discard(r)
@@ -365,21 +394,22 @@ class Watchdog:
                         self._fault(0, f"{self.role_name(0)} is dead (never started for "
                                        f"{now - start:.0f} s)", store)
                     continue
-                skipped = self.excused | self.pending | ended
-                watched = [r for r in peers if r not in skipped]
-                counts = store.multi_get([f"hb/{r}" for r in watched]) if watched else []
-                for r, value in zip(watched, counts):
+                window = self._window(self.excused | self.pending | ended, now)
+                counts = store.multi_get([f"hb/{r}" for r in window]) if window else []
+                for r, value in zip(window, counts):
                     count = int(value)
-                    seen, since = last[r]
+                    seen, since = self._last.get(r, (-1, now))
                     if count != seen:
-                        last[r] = (count, now)
+                        if seen >= 0:  # (a first read proves nothing)
+                            self._moved[r] = now
+                        self._last[r] = (count, now)
                         continue
                     limit = self.dead_after_s if count > 0 else self.startup_grace_s
                     if now - since <= limit:
                         continue
                     state = peek(store, f"done/{r}")  # (a peer whose counter stopped)
                     if state == b"lost":  # another rank declared its engine lost: watched
-                        self.excused.add(r)  # again if a replacement takes the rank (above)
+                        self._excuse([r])  # again if a replacement takes the rank
                     elif state is not None:  # it ended on its own terms
                         ended.add(r)
                     else:
@@ -397,6 +427,51 @@ class Watchdog:
                                "replacement ends", mark=False)
                 self._die(f"lost the job's store ({type(e).__name__}: {e}); the launcher agent "
                           "or rank 0 died", None)
+
+    def _window(self, skipped: set[int], now: float) -> list[int]:
+        """The peers whose counters this rank reads this sweep: the ones after it in rank
+        order (wrapping around, `_ring`), less `skipped` (excused, pending or ended), up to
+        and including the WATCHERS-th that it saw move within STALE_S, and at most
+        `_most_watched`. A peer read for the first time has not been seen to move: the
+        window covers a lost node's ranks at once, and at start-up it is that wide for a
+        sweep or two. Every live rank is thus read by its WATCHERS nearest live
+        predecessors."""
+        window: list[int] = []
+        fresh = 0
+        for r in self._ring:
+            if r in skipped:
+                continue
+            window.append(r)
+            moved = self._moved.get(r)
+            if moved is not None and now - moved <= STALE_S:
+                fresh += 1
+            if fresh == WATCHERS or len(window) == self._most_watched:
+                break
+        return window
+
+    def _follow_roster(self, store) -> None:
+        """The roster changed (`roster/changes` moved): take in what other ranks found.
+        An excused peer whose `done/<rank>` mark is gone has a replacement: watched again
+        (its new process, from a fresh read of its counter). A peer of an engine the roster
+        says is lost and marked `done/<rank>` = "lost" is excused (and `on_lost` told once
+        all of the engine's ranks are): this rank may not watch it, its watchers found it
+        dead. Not this rank's own engine (its ranks leave with it: `leave`)."""
+        for r in list(self.excused):
+            if not store.check([f"done/{r}"]):
+                self.excused.discard(r)
+                self._peers_proc.pop(r, None)
+                self._procs_seen = -1  # (its replacement's line may be there already)
+                self._last.pop(r, None)
+                self._moved.pop(r, None)
+        for e in Roster(store, self.layout.engines).read().lost:
+            ranks = self.layout.engine_global_ranks(e)
+            if self.rank in ranks:
+                continue
+            lost = [r for r in ranks if r not in self.excused
+                    and peek(store, f"done/{r}") == b"lost"]
+            if lost:
+                self.pending -= set(lost)
+                self._excuse(lost)
 
     def _fault(self, rank: int, cause: str, store) -> None:
         """Peer `rank` is dead: go on without it if the job can (excused), else fail. A rank
