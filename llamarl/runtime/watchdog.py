@@ -556,6 +556,15 @@ class Watchdog:
         os._exit(code)
 
 
+def store_keys_per_sweep() -> int:
+    """Store keys one rank's sweep touches once every rank runs (one sweep a HEARTBEAT_S): its
+    heartbeat (add), the failure key (check), the roster's change count (add), its host's
+    process-list length (add) and WATCHERS heartbeat counters (one multi_get). Independent of
+    the job's size; bench/watchdog_store_load.py measures ~6 a rank a second at 64-1024
+    ranks, and the paper launch (tests/test_paper_launch.py) budgets with this."""
+    return 4 + WATCHERS
+
+
 def say(line: str) -> None:
     """Write `line` to stderr in one write(2): a process's last line. The ranks of a node
     share the launcher's stderr, and one write of a line (under PIPE_BUF, 4 KiB) reaches a
