@@ -24,8 +24,8 @@ from llamarl.generator.gpu_memory import (
     SYNC_MARGIN,
     check_sync_fits,
     later_bytes,
-    reward_model_bytes,
     model_bytes_from_config,
+    reward_model_bytes,
     sync_need_bytes,
 )
 from llamarl.generator.kv_cache import kv_bytes_per_token, sequence_bytes

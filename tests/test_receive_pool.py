@@ -75,7 +75,7 @@ def test_two_buffers_for_five_buckets_load_as_a_buffer_per_bucket(tp_rank):
     engine = FusedEngine(tp_rank=tp_rank)
     for seed in range(4):
         transport.slots = {s.untyped_storage().data_ptr() for s in receiver.pool.slots}
-        for b, bucket in enumerate(receiver.plans[0]):
+        for bucket in receiver.plans[0]:
             (meta, _), = bucket.entries
             transport.outbox[0].append(checkpoint(seed)[meta.name].reshape(-1))
         assert receiver.receive(engine) == 5
