@@ -23,10 +23,11 @@ the engine creates after this check:
     need = buffers + first sync + slices + communicators + reward model + SYNC_MARGIN
 
 Qwen2.5-7B in bf16 is B = 14.2 GiB: without a pool, 28.4 GiB for T = 8, while u = 0.85 leaves
-11.9 GiB of an 80 GB H100; with one sender and a pool of 4 x 64 MiB buckets the buffers are
-2.2 GiB at the first sync (its embedding and head travel alone, 1.04 GiB each), 256 MiB after.
+11.9 GiB of an 80 GB H100; with one sender and a pool of 4 buckets of 64 MiB the buffers are
+2.28 GiB at the first sync (its embedding and head travel alone, 1.02 GiB each, and its MLP
+matrices, 130 MiB), less after (buckets received straight into the engine take no slot).
 The engine checks at start (worker_ext.llamarl_join_weight_sync), before it allocates
-anything, and names the key and the value that fits; tests/test_gpu_memory.py runs the same
+anything, and names the key and the value that fits; tests/test_gpu_path.py runs the same
 arithmetic over every GPU recipe from its model's config.json.
 """
 
