@@ -90,6 +90,21 @@ def test_two_buffers_for_five_buckets_load_as_a_buffer_per_bucket(tp_rank):
     assert receiver.pool.slot_of == [None, None, None, None, 0]
     assert receiver.buffer_bytes == 2 * 4 * 4
 
+    # The engine's storage moves (as vLLM's sleep mode would): before posting, the receiver
+    # goes back to a slot per bucket in turn, records again, and the weights are still right.
+    engine.qkv.data = torch.zeros(8, 3)
+    engine.embed.data = torch.full((4, 3), 7.0)
+    for bucket in receiver.plans[0]:
+        transport.outbox[0].append(checkpoint(9)[bucket.entries[0][0].name].reshape(-1))
+    receiver.post()
+    assert receiver.pool.slot_of == [0, 1, 0, 1, 0]
+    receiver.load(engine)
+    reference = FusedEngine(tp_rank=tp_rank)
+    reference.load_weights(checkpoint(9).items())
+    for (name, p), q in zip(engine.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q), name
+    assert receiver.pool.slot_of == [None, None, None, None, 0]
+
 
 def test_a_load_that_keeps_a_tensor_across_calls_is_an_error():
     """A loader that copies each tensor only at its next call read a buffer that the next
