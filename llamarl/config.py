@@ -380,6 +380,12 @@ class SyncConfig:
     # A shard this large is sent alone, straight from the trainer's parameter into the
     # engine's (no copy at either end); smaller ones are packed into buckets and copied.
     solo_mb: float = 1.0
+    # Receive buffers an engine keeps for the syncs of one sender (one trainer rank): the
+    # buckets take them in turn, each loaded into the engine before its buffer is reused, so
+    # the sync holds at most this many buckets, not the whole model (parallel/receive_pool.py;
+    # fewer in flight can slow a sync a little: bench/results/receive_pool.json). 0: a buffer
+    # per bucket, as several senders always get (their tensors arrive split by rows).
+    receive_buffers: int = 4
     # What moves the weights (llamarl/parallel/transports): `torch` (gloo / NCCL groups),
     # `filesystem` (safetensors files in transport_dir, for trainers and engines that share a
     # filesystem but no process group), or the import path of a module of your own.
@@ -519,6 +525,10 @@ def validate(cfg: Config) -> Config:
                        "critic.value_clip": cfg.critic.value_clip}.items():
         if value < 0:
             _fail(key, value, "must be >= 0")
+    if not 0 <= cfg.sync.receive_buffers <= 64:
+        _fail("sync.receive_buffers", cfg.sync.receive_buffers,
+              "must be between 0 and 64: 2-4 keep a sync's transfer and loads overlapped in "
+              "a few buckets of sync.bucket_mb, 0 keeps a buffer per bucket (the whole model)")
     budget = cfg.trainer.activation_memory_budget
     if not 0 < budget <= 1:
         _fail("trainer.activation_memory_budget", budget,

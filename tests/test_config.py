@@ -89,6 +89,8 @@ def test_cli_overrides_beat_yaml(tmp_path):
     (["algorithm.correction=vtrace"], ["algorithm.correction", "aipo"]),
     (["generator.tp=0"], ["generator.tp", "> 0"]),
     (["sync.solo_mb=0"], ["sync.solo_mb", "> 0"]),
+    (["sync.receive_buffers=65"], ["sync.receive_buffers", "between 0 and 64"]),
+    (["sync.receive_buffers=-1"], ["sync.receive_buffers", "0 keeps a buffer per bucket"]),
     (["sync.engine_restarts=-1"], ["sync.engine_restarts", ">= 0"]),
     (["sync.transport=nfs"], ["sync.transport", "filesystem"]),
     (["generator.block_size=24"], ["generator.block_size", "multiple of 16"]),

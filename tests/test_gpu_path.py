@@ -20,9 +20,12 @@ import torch
 from llamarl.config import GeneratorConfig, load_config
 from llamarl.generator.gpu_memory import (
     GIB,
+    NCCL_COMM_BYTES,
     SYNC_MARGIN,
     check_sync_fits,
+    later_bytes,
     model_bytes_from_config,
+    reward_model_bytes,
     sync_need_bytes,
 )
 from llamarl.generator.kv_cache import kv_bytes_per_token, sequence_bytes
@@ -305,6 +308,69 @@ def test_the_startup_check_fires_on_a_recipe_that_does_not_fit(tmp_path):
     with pytest.raises(ValueError, match="kv_cache_gib=20: set generator.kv_cache_gib=2.56"):
         check_sync_fits(need, int(0.15 * H100), H100, 0.85, 8, kv_cache_gib=20)
     assert need + SYNC_MARGIN > 0.15 * H100
+
+
+def test_sync_need_of_a_pool_and_of_slices_by_hand():
+    """Five float32 tensors of 10, 2, 3, 25 and 1 elements, a bucket each (bucket_mb 0):
+    a buffer per bucket is 164 bytes; a pool of 2 takes them in turn, slots 0, 1, 0, 1, 0,
+    each as large as its largest: 40 + 100. Several senders, or a resharded tp 2 engine
+    (164 + slices of 164 / 2), keep a buffer per bucket; so do adapters."""
+    metas = [[TensorMeta(f"w{i}", "torch.float32", (n,)) for i, n in
+              enumerate((10, 2, 3, 25, 1))]]
+    assert sync_need_bytes(metas, 0) == 164
+    assert sync_need_bytes(metas, 0, receive_buffers=2) == 140
+    assert sync_need_bytes(metas, 0, receive_buffers=8) == 164
+    assert sync_need_bytes(metas, 0, receive_buffers=2, tp=2, reshard=True) == 164 + 82
+    assert sync_need_bytes(metas, 0, receive_buffers=2, tp=2, reshard=False) == 140
+    assert sync_need_bytes(metas, 0, receive_buffers=2, adapters=True) == 164
+    split = [[TensorMeta("w", "torch.float32", (4, 3), 2, 2 * s)] for s in range(2)]
+    assert sync_need_bytes(split, 0, receive_buffers=2) == 2 * 24 + 48  # + put together
+
+
+def test_the_check_counts_communicators_and_a_reward_model_after_it():
+    """1 GiB of sync, then 4 communicators (4 x NCCL_COMM_BYTES) and a 2 GiB reward model,
+    plus the margin: one line naming each and the value of the key that fits."""
+    later = later_bytes(4, 2 * GIB)
+    assert sum(later.values()) == 4 * NCCL_COMM_BYTES + 2 * GIB
+    total = GIB + 4 * NCCL_COMM_BYTES + 2 * GIB + SYNC_MARGIN
+    check_sync_fits(GIB, total, 10 * total, 0.5, 1, later=later)  # exactly fits
+    with pytest.raises(ValueError) as e:
+        check_sync_fits(GIB, total - GIB, 10 * total, 0.5, 1, later=later)
+    line = str(e.value)
+    assert "\n" not in line and "needs 1 GiB" in line, line
+    assert f"4 NCCL communicator(s) at {NCCL_COMM_BYTES >> 20} MiB" in line
+    assert "the reward model (reward.model_placement generator) (2 GiB)" in line
+    # 1 GiB short on a card of 10 x 6 GiB: 0.5 - 1/60 = 0.483, in hundredths down
+    assert NCCL_COMM_BYTES == 512 << 20 and total == 6 * GIB
+    assert "set generator.gpu_memory_utilization=0.48 or lower" in line
+    assert later_bytes(0) == {}
+
+
+def test_reward_model_bytes_are_its_weight_files(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 1000)
+    (tmp_path / "config.json").write_text("{}")
+    assert reward_model_bytes(str(tmp_path)) == 1000
+    assert reward_model_bytes(str(tmp_path / "absent")) == 0
+
+
+@pytest.mark.parametrize("recipe", GPU_RECIPES, ids=[r.stem for r in GPU_RECIPES])
+def test_every_gpu_recipe_fits_with_its_communicators(recipe, tmp_path):
+    """The engine ranks' NCCL communicators from the job's own plan (parallel/plan.py), at
+    NCCL_COMM_BYTES each, fit beside the sync under the recipe's utilization."""
+    from llamarl.parallel.plan import COMMANDS, comm_plan
+
+    cfg = recipe_config(recipe, tmp_path)
+    g = cfg.generator
+    world = cfg.trainer.ranks + g.engines * g.tp
+    layout = compute_layout(world, min(world, 8), cfg.trainer.ranks, g.engines, g.tp)
+    plan = comm_plan(cfg, layout, "nccl")
+    comms = max(len([x for x in plan.groups_of(r) if x.purpose != COMMANDS])
+                for r in layout.generator_global_ranks)
+    need = sync_need_bytes(sync_metas(model_config(cfg), cfg.trainer.ranks), cfg.sync.bucket_mb,
+                           cfg.sync.solo_mb, cfg.sync.receive_buffers, g.tp, cfg.sync.reshard)
+    u = g.gpu_memory_utilization
+    check_sync_fits(need, int((1 - u) * H100), H100, u, cfg.trainer.ranks,
+                    later=later_bytes(comms))
 
 
 def test_sync_need_counts_buffers_and_assembled_tensors():

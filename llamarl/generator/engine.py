@@ -664,13 +664,17 @@ class Engine:
             self._add(request_id, req)
 
     def join_weight_sync(self, spec: TransportSpec, metas_json: list[str], bucket_mb: int,
-                         solo_mb: float | None = None, adapter: dict | None = None) -> None:
+                         solo_mb: float | None = None, adapter: dict | None = None,
+                         receive_buffers: int = 0, later: dict[str, int] | None = None) -> None:
         """Open this engine's end of the weight sync over `spec` (parallel/transports); trainer
         rank i's shard layout is metas_json[i] (bucketed as the senders do: sync.bucket_mb,
         sync.solo_mb). `adapter` (model.lora.sync adapters: lora_adapter.adapter_config):
-        the syncs bring the policy's LoRA adapters (an engine built with lora_rank)."""
+        the syncs bring the policy's LoRA adapters (an engine built with lora_rank).
+        `receive_buffers`: sync.receive_buffers; `later`: what this rank allocates after the
+        GPU memory check, by what it is (gpu_memory.later_bytes)."""
         self.llm.collective_rpc("llamarl_join_weight_sync",
-                                args=(spec, metas_json, bucket_mb, solo_mb, adapter))
+                                args=(spec, metas_json, bucket_mb, solo_mb, adapter,
+                                      receive_buffers, later))
         self._adapter_syncs = adapter is not None
 
     @spmd

@@ -46,13 +46,14 @@ from llamarl.generator.continuous import run_continuous
 from llamarl.generator.cpu_fixes import cpu_shm_prefix, unlink_cpu_shm
 from llamarl.generator.engine import Engine, EngineWorld, import_vllm, sampler_seed
 from llamarl.generator.evaluate import Evaluator
+from llamarl.generator.gpu_memory import later_bytes, reward_model_bytes
 from llamarl.generator.lora_adapter import adapter_config
 from llamarl.generator.samples import append_rows, sample_rows
 from llamarl.generator.slots import SlotSet
 from llamarl.generator.tp import EngineCommands, follow_leader
 from llamarl.generator.weights import WeightFollower, fresh_version
 from llamarl.parallel.groups import planned_spec
-from llamarl.parallel.plan import plan_for
+from llamarl.parallel.plan import COMMANDS, plan_for
 from llamarl.parallel.weight_sync import engine_transport, replacement_transport
 from llamarl.rewards.dynamic_sampling import collect_groups
 from llamarl.rewards.scorer import RewardScorer, ScoredGroup
@@ -135,8 +136,24 @@ def join_weight_groups(rt: Runtime, engine: Engine) -> int:
     trainers = range(rt.layout.trainer_ranks)
     engine.join_weight_sync(engine_transport(rt),
                             [rt.wait_key(f"wsync/meta/{r}") for r in trainers],
-                            rt.cfg.sync.bucket_mb, rt.cfg.sync.solo_mb, synced_adapter(rt.cfg))
+                            rt.cfg.sync.bucket_mb, rt.cfg.sync.solo_mb, synced_adapter(rt.cfg),
+                            rt.cfg.sync.receive_buffers, allocated_later(rt))
     return 0
+
+
+def allocated_later(rt: Runtime) -> dict[str, int]:
+    """What this generator rank allocates on its GPU after the engine's memory check
+    (gpu_memory.later_bytes): the NCCL communicators of the groups it joins (the job's plan;
+    its tp ranks' command group is on gloo), and on the engine leader a
+    generator-placed reward model. Nothing on the CPU."""
+    if rt.device.type != "cuda":
+        return {}
+    plan = plan_for(rt)
+    groups = [g for g in plan.groups_of(rt.env.rank) if g.purpose != COMMANDS]
+    reward = rt.cfg.reward
+    model = (reward_model_bytes(reward.model_path) if reward.model_path and
+             reward.model_placement == "generator" and rt.role.is_engine_leader else 0)
+    return later_bytes(len(groups) if plan.backend == "nccl" else 0, model)
 
 
 def synced_adapter(cfg) -> dict | None:
@@ -169,7 +186,8 @@ def join_as_replacement(rt: Runtime, engine: Engine) -> int:
         options["needs"] = rt.wait_key(f"wsync/needs/{1 + k}")
     spec = replacement_transport(rt, n, first, options)
     engine.join_weight_sync(spec, [rt.wait_key(f"wsync/meta/{r}") for r in trainers],
-                            rt.cfg.sync.bucket_mb, rt.cfg.sync.solo_mb, synced_adapter(rt.cfg))
+                            rt.cfg.sync.bucket_mb, rt.cfg.sync.solo_mb, synced_adapter(rt.cfg),
+                            rt.cfg.sync.receive_buffers, allocated_later(rt))
     return first
 
 

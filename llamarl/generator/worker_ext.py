@@ -28,11 +28,14 @@ disable_onednn_prepack()
 class LlamarlWorkerExtension:
     def llamarl_join_weight_sync(self, spec: TransportSpec, metas_json: list[str],
                                  bucket_mb: int, solo_mb: float | None = None,
-                                 adapter: dict | None = None) -> int:
+                                 adapter: dict | None = None, receive_buffers: int = 0,
+                                 later: dict[str, int] | None = None) -> int:
         """Open the receiving end of the weight sync (trainer rank i's shard layout:
         metas_json[i]); returns the number of senders. `adapter` (model.lora.sync adapters:
         lora_adapter.adapter_config): the syncs bring LoRA adapters, loaded as the engine's
-        adapter (lora_adapter.EngineAdapter), not weights."""
+        adapter (lora_adapter.EngineAdapter), not weights. `receive_buffers`: the pool's
+        size (sync.receive_buffers); `later`: what this rank allocates after the memory
+        check (gpu_memory.later_bytes), which the check counts."""
         device = torch.device(self.device) if hasattr(self, "device") else torch.device("cpu")
         metas = [metas_from_json(m) for m in metas_json]
         if device.type == "cuda":
@@ -40,12 +43,13 @@ class LlamarlWorkerExtension:
             # before anything is allocated: does the sync fit what vLLM left free?
             free, total = torch.cuda.mem_get_info(device)
             cache = self.cache_config
-            check_sync_fits(sync_need_bytes(metas), free, total,
-                            cache.gpu_memory_utilization, spec.senders,
-                            (cache.kv_cache_memory_bytes or 0) / GIB)
+            need = sync_need_bytes(metas, bucket_mb, solo_mb, receive_buffers, spec.tp,
+                                   spec.reshard, adapter is not None)
+            check_sync_fits(need, free, total, cache.gpu_memory_utilization, spec.senders,
+                            (cache.kv_cache_memory_bytes or 0) / GIB, later)
         self._llamarl_receiver = open_weight_sync(
             "receive", spec, bucket_mb, device, solo_mb, metas=metas,
-            adapters=adapter is not None)
+            adapters=adapter is not None, receive_buffers=receive_buffers)
         # where each sync goes: the engine's model (its load_weights), or its adapter
         self._llamarl_target = (self.model_runner.model if adapter is None else
                                 EngineAdapter(self, adapter, {m.name for ms in metas for m in ms},

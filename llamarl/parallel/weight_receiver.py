@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from llamarl.parallel.load_replay import LoadRecorder, split_rows, storage_id
+from llamarl.parallel.receive_pool import ReceivePool, pool_slots
 from llamarl.parallel.transports.base import Done, ReceiverTransport, Work
 from llamarl.parallel.weight_plan import (
     DTYPES_BY_NAME,
@@ -65,14 +66,25 @@ class WeightReceiver:
     `replay=False`: what `load` writes into is not an engine's weights but anything with
     `load_weights` (an adapter of vLLM's, generator/lora_adapter.py), which gets every sync
     as (name, full tensor) pairs; nothing is recorded or resharded.
+
+    `receive_buffers` K > 0 (sync.receive_buffers) with one sender, whose buckets hold whole
+    tensors: the buckets share K receive buffers (parallel/receive_pool.py), each loaded into
+    the engine before its buffer takes a later bucket, so the sync holds at most K buckets
+    whatever the model's size. The first sync then calls `load_weights` once per bucket
+    (recorded, as vLLM's own weight updates call it per tensor: a fused qkv/gate_up parameter
+    takes each part from the call that brings it), later syncs replay bucket by bucket. Not
+    with several senders (tensors split by rows over them complete only with the last
+    sender's rows), nor for resharded tp > 1 engines (the blocks of later syncs are copied
+    into the full buffers first), nor adapters (small): those keep a buffer per bucket.
     """
 
     def __init__(self, metas_by_sender: list[list[TensorMeta]], bucket_mb: int,
                  transport: ReceiverTransport, device: torch.device,
-                 solo_mb: float | None = None, replay: bool = True):
+                 solo_mb: float | None = None, replay: bool = True, receive_buffers: int = 0):
         assert len(metas_by_sender) == transport.spec.senders
         assert replay or not (transport.spec.tp > 1 and transport.spec.reshard), \
             "a sync that is not replayed into the engine's weights is not resharded"
+        assert receive_buffers >= 0
         self.into_weights = replay  # False: every sync goes to load_weights as it comes
         self.plans = [plan_buckets(m, bucket_mb << 20, solo_bytes_of(solo_mb))
                       for m in metas_by_sender]
@@ -80,17 +92,16 @@ class WeightReceiver:
         self.device = device
         self.order = [m.name for m in metas_by_sender[0]]  # checkpoint order
         self.full = {m.name: m for ms in metas_by_sender for m in ms}
-        self.flats = [[torch.empty(b.numel, dtype=DTYPES_BY_NAME[b.dtype], device=device)
-                       for b in plan] for plan in self.plans]
-        # name -> [(sender, bucket index, rows [row0, row0 + rows) as a view of its buffer)]
-        self.pieces: dict[str, list[tuple[int, int, TensorMeta, torch.Tensor]]] = {}
-        for s, plan in enumerate(self.plans):
-            for b, bucket in enumerate(plan):
-                for meta, off in bucket.entries:
-                    view = self.flats[s][b][off:off + meta.numel].view(meta.piece_shape)
-                    self.pieces.setdefault(meta.name, []).append((s, b, meta, view))
-        for parts in self.pieces.values():
-            parts.sort(key=lambda p: p[2].row0)
+        self._resharded = transport.spec.tp > 1 and transport.spec.reshard
+        # K shared receive buffers (class docstring); None: one buffer per bucket
+        self.slots = pool_slots(len(self.plans), receive_buffers, replay, self._resharded)
+        self.pool: ReceivePool | None = None
+        self.peak_buffer_bytes = 0  # the largest pool built (pools replace each other)
+        if self.slots is not None:
+            self._use_pool(ReceivePool(self.plans[0], self.slots, device))
+        else:
+            self._index([[torch.empty(b.numel, dtype=DTYPES_BY_NAME[b.dtype], device=device)
+                          for b in plan] for plan in self.plans])
         self.replay: list[list[tuple[list, list]]] | None = None  # [sender][bucket] (dsts, srcs)
         self.targets = self.flats  # [sender][bucket]: where a replayed sync receives it
         self.watch: list[tuple[torch.Tensor, int]] = []  # engine tensors and their addresses
@@ -110,7 +121,6 @@ class WeightReceiver:
         self.slice_flats: list[list[torch.Tensor]] = []
         self.slice_copies: list[list[tuple[list, list]]] = []
         self._works_sliced = False
-        self._resharded = transport.spec.tp > 1 and transport.spec.reshard
         needs = transport.spec.options.get("needs")
         if self._resharded and needs is not None:
             # a replacement engine (generator/loop.py: join_as_replacement) joins after the
@@ -119,6 +129,41 @@ class WeightReceiver:
             self.posted = 1
             self._reshard(None if needs == "full" else json.loads(needs), publish=False)
 
+    def _index(self, flats: list[list[torch.Tensor]]) -> None:
+        """Receive into `flats` ([sender][bucket]): index the pieces in them."""
+        self.flats = flats
+        # name -> [(sender, bucket index, rows [row0, row0 + rows) as a view of its buffer)]
+        self.pieces: dict[str, list[tuple[int, int, TensorMeta, torch.Tensor]]] = {}
+        for s, plan in enumerate(self.plans):
+            for b, bucket in enumerate(plan):
+                for meta, off in bucket.entries:
+                    view = self.flats[s][b][off:off + meta.numel].view(meta.piece_shape)
+                    self.pieces.setdefault(meta.name, []).append((s, b, meta, view))
+        for parts in self.pieces.values():
+            parts.sort(key=lambda p: p[2].row0)
+
+    def _use_pool(self, pool: ReceivePool) -> None:
+        """Receive through `pool` (one sender): flats are views of its slots, and targets
+        those, or engine regions for the buckets received in place."""
+        self.pool = pool
+        self.peak_buffer_bytes = max(self.peak_buffer_bytes, pool.bytes)
+        # (a bucket received in place: its pieces are views of the engine region)
+        flats = [f if f is not None else t.view(-1) for f, t in zip(pool.flats, pool.targets)]
+        self._index([flats])
+        self.targets = [pool.targets] if pool.in_place else self.flats
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of receive buffers this receiver holds now (the pool's slots, or a buffer
+        per bucket, and the slice buffers of resharded syncs)."""
+        if self.pool is not None:
+            return self.pool.bytes
+        own = sum(f.numel() * f.element_size() for fs in self.flats for f in fs)
+        # (a slice bucket without copies is received straight into the engine's buffers)
+        return own + sum(f.numel() * f.element_size()
+                         for fs, cs in zip(self.slice_flats, self.slice_copies)
+                         for f, (dsts, _) in zip(fs, cs) if dsts)
+
     def _post(self, targets: list[list[torch.Tensor]]) -> list[list[Work]]:
         """Post the receive of every bucket of every sender now (bucket b: tag b), round
         robin over the senders: a point-to-point send waits until its receive is posted, so
@@ -126,6 +171,9 @@ class WeightReceiver:
         # tp > 1, from the second sync: the messages for this tp rank alone (resharded)
         own = self._resharded and self.posted >= 1
         self.posted += 1
+        if self.pool is not None:  # as many buckets as have a slot; the rest as slots free
+            self.pool.start(self.transport)
+            return []
         self._works_sliced = own and self.slices is not None
         if self._works_sliced:
             targets = self.slice_flats
@@ -175,6 +223,9 @@ class WeightReceiver:
         # in load (~0.1 ms a sync off the critical path for the tiny model on the 2-core CPU).
         if self.replay is not None and self.targets is not self.flats and self._moved():
             self.replay, self.targets = None, self.flats
+            if self.pool is not None:  # every bucket into a slot again, to record
+                self.pool = self.flats = self.pieces = None
+                self._use_pool(ReceivePool(self.plans[0], self.slots, self.device))
         self._works = self._post(self.targets)  # targets = flats unless replayed in place
 
     def _moved(self) -> bool:
@@ -202,7 +253,7 @@ class WeightReceiver:
         the GPU while it generates)."""
         if self.targets is self.flats and self.transport.posts_early:
             try:
-                self._works = self._post(self.flats)
+                self._works = self._post(self.flats)  # (a pool: its first buckets)
             except RuntimeError as e:
                 # A trainer rank has closed its connection, as it does after its last sync:
                 # an error only if another sync is announced (see post).
@@ -212,6 +263,8 @@ class WeightReceiver:
     def _load(self, model: torch.nn.Module) -> int:
         works, self._works = self._works, None
         assert works is not None, "post() the receives first"
+        if self.pool is not None:
+            return self._load_pooled(model)
         if self._works_sliced:  # the blocks to their place in flats; then as a full sync
             self._unpack_slices(works)
             works = [[Done()] * len(plan) for plan in self.plans]
@@ -242,6 +295,95 @@ class WeightReceiver:
         if self._resharded and self.posted == 1:  # the first sync: what it read
             self._reshard(None if self.problem else self._needs(recorder, assembled))
         return len(self.order)
+
+    # -- one sender, a pool of receive buffers ---------------------------------------------
+    def _load_pooled(self, model: torch.nn.Module) -> int:
+        """Bucket by bucket: wait for it, load or replay it into the engine, free its slot
+        (which posts the receives that waited for one)."""
+        pool = self.pool
+        if self.replay is not None and not pool.in_place and self._moved():
+            self.replay = None  # the engine moved: record again (every bucket is in a slot)
+        n = len(self.plans[0])
+        if self.replay is not None:
+            with torch.no_grad():
+                for b, (dsts, srcs) in enumerate(self.replay[0]):
+                    pool.wait(b)
+                    if dsts:
+                        torch._foreach_copy_(dsts, srcs)
+                    pool.done(b)
+            return len(self.order)
+        if self.problem is not None:
+            for b in range(n):
+                pool.wait(b)
+                model.load_weights(self._bucket_items(b))
+                pool.done(b)
+            return len(self.order)
+        engine = list(model.parameters()) + list(model.buffers())
+        recorder = LoadRecorder(engine, pool.slots)
+        loaded: set | None = set()
+        spans = []  # bucket b's copies: recorder.copies[spans[b][0]:spans[b][1]]
+        with recorder:
+            for b in range(n):
+                with recorder.paused():  # (the transport's own ops are not the load's)
+                    pool.wait(b)
+                first = len(recorder.copies)
+                got = model.load_weights(self._bucket_items(b))
+                loaded = loaded | got if isinstance(got, set) and loaded is not None else None
+                spans.append((first, len(recorder.copies)))
+                with recorder.paused():
+                    pool.done(b)
+        check_complete(model, loaded)
+        self.problem = recorder.problem
+        if self.problem is not None:
+            print(f"llamarl: weight syncs call model.load_weights every time: {self.problem}",
+                  file=sys.stderr, flush=True)
+            return len(self.order)
+        self.watch = recorder.watch
+        replay = self._pooled_replay(recorder.copies, spans)
+        in_place = [self._in_place(pool.flats[b], *replay[b]) for b in range(n)]
+        if not any(r is not None for r in in_place):
+            self.replay = [replay]
+            return len(self.order)
+        # Buckets received in place need no slot: a smaller pool for the later syncs, the
+        # recorded copies moved onto it (same offsets and strides in the same bucket).
+        copies = [[] if region is not None else
+                  [(d, tuple(v.shape), v.stride(), v.storage_offset()) for d, v in zip(*replay[b])]
+                  for b, region in enumerate(in_place)]
+        del recorder, replay, pool  # (the first pool is freed before the next is allocated)
+        self.pool = self.flats = self.pieces = self.targets = None
+        self._use_pool(ReceivePool(self.plans[0], self.slots, self.device, in_place))
+        flats = self.pool.flats
+        self.replay = [[([d for d, *_ in c], [flats[b].as_strided(*view) for _, *view in c])
+                        for b, c in enumerate(copies)]]
+        return len(self.order)
+
+    def _bucket_items(self, b: int) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) of every tensor in bucket b of the one sender (each comes whole)."""
+        return [(meta.name, self.pieces[meta.name][0][3]) for meta, _ in self.plans[0][b].entries]
+
+    def _pooled_replay(self, copies: list, spans: list[tuple[int, int]]) -> list[tuple[list, list]]:
+        """The recorded copies of each bucket (those its load_weights call made). A copy
+        from outside the bucket's bytes in its slot read a tensor that an earlier call gave
+        and a later bucket may have overwritten: the load kept it across calls, and the
+        weights may be wrong (RuntimeError)."""
+        pool, out = self.pool, []
+        slot_ids = [storage_id(s) for s in pool.slots]
+        for b, (first, end) in enumerate(spans):
+            flat, dsts, srcs = pool.flats[b], [], []
+            for dst, src in copies[first:end]:
+                start = src.storage_offset() * src.element_size()
+                stop = start + src.element_size() * (1 + sum(
+                    (n - 1) * st for n, st in zip(src.shape, src.stride())))
+                if (storage_id(src) != slot_ids[pool.slot_of[b]] or start < 0
+                        or stop > flat.numel() * flat.element_size()):
+                    raise RuntimeError(
+                        "weight sync: the engine's load_weights kept a received tensor from "
+                        "one call to the next (a receive buffer had taken another bucket "
+                        "meanwhile); set sync.receive_buffers=0 for a buffer per bucket")
+                dsts.append(dst)
+                srcs.append(src)
+            out.append((dsts, srcs))
+        return out
 
     # -- resharded syncs ------------------------------------------------------------------
     def _needs(self, recorder: LoadRecorder, assembled: dict) -> Needs | None:

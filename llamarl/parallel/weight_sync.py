@@ -61,7 +61,7 @@ def open_weight_sync(side: str, spec: TransportSpec, bucket_mb: int, device: tor
                      publish_metas: Callable[[list[TensorMeta]], None] | None = None,
                      metas: list[list[TensorMeta]] | None = None,
                      adapters: bool = False, members: Callable | None = None,
-                     ) -> WeightSender | WeightReceiver:
+                     receive_buffers: int = 0) -> WeightSender | WeightReceiver:
     """Open one end of a weight sync over transport `spec.name` (sync.transport), complete.
 
     side "send" (trainer rank spec.me): a WeightSender of `model`'s shards. Its shard layout
@@ -69,7 +69,8 @@ def open_weight_sync(side: str, spec: TransportSpec, bucket_mb: int, device: tor
     to build their end, and a torch group is built by all its members at once). `members`
     (transport -> Members), when engines can be lost: who receives each sync
     (parallel/weight_members.py).
-    side "receive" (an engine): a WeightReceiver of the senders' layouts `metas`.
+    side "receive" (an engine): a WeightReceiver of the senders' layouts `metas`, with a pool
+    of `receive_buffers` buffers where it can (sync.receive_buffers, WeightReceiver).
     `adapters` (model.lora.sync adapters): a LoRA policy's adapters alone are sent, and
     received for an adapter of vLLM's (generator/lora_adapter.py), not the engine's weights
     (no recorded replay, no resharding)."""
@@ -89,7 +90,7 @@ def open_weight_sync(side: str, spec: TransportSpec, bucket_mb: int, device: tor
                             adapters=adapters, connect=connect)
     assert side == "receive" and metas is not None, side
     return WeightReceiver(metas, bucket_mb, transport.Receiver(spec), device, solo_mb,
-                          replay=not adapters)
+                          replay=not adapters, receive_buffers=receive_buffers)
 
 
 def transport_spec(rt, me: int, groups: list[GroupSpec],
