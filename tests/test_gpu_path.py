@@ -357,15 +357,14 @@ def test_reward_model_bytes_are_its_weight_files(tmp_path):
 def test_every_gpu_recipe_fits_with_its_communicators(recipe, tmp_path):
     """The engine ranks' NCCL communicators from the job's own plan (parallel/plan.py), at
     NCCL_COMM_BYTES each, fit beside the sync under the recipe's utilization."""
-    from llamarl.parallel.plan import COMMANDS, comm_plan
+    from llamarl.parallel.plan import comm_plan
 
     cfg = recipe_config(recipe, tmp_path)
     g = cfg.generator
     world = cfg.trainer.ranks + g.engines * g.tp
     layout = compute_layout(world, min(world, 8), cfg.trainer.ranks, g.engines, g.tp)
     plan = comm_plan(cfg, layout, "nccl")
-    comms = max(len([x for x in plan.groups_of(r) if x.purpose != COMMANDS])
-                for r in layout.generator_global_ranks)
+    comms = max(len(plan.gpu_communicators(r)) for r in layout.generator_global_ranks)
     need = sync_need_bytes(sync_metas(model_config(cfg), cfg.trainer.ranks), cfg.sync.bucket_mb,
                            cfg.sync.solo_mb, cfg.sync.receive_buffers, g.tp, cfg.sync.reshard)
     u = g.gpu_memory_utilization

@@ -53,7 +53,7 @@ from llamarl.generator.slots import SlotSet
 from llamarl.generator.tp import EngineCommands, follow_leader
 from llamarl.generator.weights import WeightFollower, fresh_version
 from llamarl.parallel.groups import planned_spec
-from llamarl.parallel.plan import COMMANDS, plan_for
+from llamarl.parallel.plan import plan_for
 from llamarl.parallel.weight_sync import engine_transport, replacement_transport
 from llamarl.rewards.dynamic_sampling import collect_groups
 from llamarl.rewards.scorer import RewardScorer, ScoredGroup
@@ -143,17 +143,17 @@ def join_weight_groups(rt: Runtime, engine: Engine) -> int:
 
 def allocated_later(rt: Runtime) -> dict[str, int]:
     """What this generator rank allocates on its GPU after the engine's memory check
-    (gpu_memory.later_bytes): the NCCL communicators of the groups it joins (the job's plan;
-    its tp ranks' command group is on gloo), and on the engine leader a
+    (gpu_memory.later_bytes): the NCCL communicators of the groups it joins (the job's plan,
+    gpu_communicators), and on the engine leader a
     generator-placed reward model. Nothing on the CPU."""
     if rt.device.type != "cuda":
         return {}
     plan = plan_for(rt)
-    groups = [g for g in plan.groups_of(rt.env.rank) if g.purpose != COMMANDS]
+    groups = plan.gpu_communicators(rt.env.rank)  # (rollout pairs, commands: gloo)
     reward = rt.cfg.reward
     model = (reward_model_bytes(reward.model_path) if reward.model_path and
              reward.model_placement == "generator" and rt.role.is_engine_leader else 0)
-    return later_bytes(len(groups) if plan.backend == "nccl" else 0, model)
+    return later_bytes(len(groups), model)
 
 
 def synced_adapter(cfg) -> dict | None:

@@ -13,8 +13,9 @@ store is touched), in the style of runtime/layout.py.
     join       wsync<r>/join<e>.<n>       trainer r, replacement n of engine e     a --join (named
                                                                                    here, made later)
 
-Rollout pair groups are gloo groups on every job, GPU jobs included (host memory to host memory,
-buffer/dist_channel.py says why): no NCCL communicator, so `gpu_communicators` leaves them out.
+Rollout pair groups and an engine's command stream are gloo groups on every job, GPU jobs
+included (host memory to host memory: buffer/dist_channel.py, generator/tp.py say why): no NCCL
+communicator, so `gpu_communicators` leaves them out.
 
 Group rank i is member i of `ranks`. Engine e sends trainer rank r rollouts only when their
 shares of the step's prompt groups meet (parallel/shares.py: a channel for each, 1-2 per engine
@@ -168,10 +169,11 @@ class CommPlan:
 
     def gpu_communicators(self, global_rank: int) -> list[PlannedGroup]:
         """The groups of `groups_of` that are NCCL communicators on this rank's GPU (on an
-        NCCL plan: all but the rollout pairs, which are gloo); none on gloo."""
+        NCCL plan: the weight and resharding groups; rollout pairs and an engine's command
+        stream are gloo, buffer/dist_channel.py, generator/tp.py); none on gloo."""
         if self.backend != "nccl":
             return []
-        return [g for g in self.groups_of(global_rank) if g.purpose != ROLLOUTS]
+        return [g for g in self.groups_of(global_rank) if g.purpose in (WEIGHTS, RESHARD)]
 
 
 def plan_for(rt) -> CommPlan:
