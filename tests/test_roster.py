@@ -13,13 +13,18 @@ import torch.distributed as dist
 from llamarl.config import load_config
 from llamarl.parallel.plan import survives_engine_loss
 from llamarl.runtime.layout import compute_layout
-from llamarl.runtime.roster import Roster
+from llamarl.runtime.roster import Roster, started_key
 from llamarl.runtime.setup import engine_loss_excuse, free_port
 
 
 @pytest.fixture
 def store():
-    return dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=10))
+    """The job's store, with every rank's start-up mark (runtime/roster.py: started_key): the
+    losses here come after start-up (one during it: tests/test_group_making.py)."""
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=10))
+    for r in range(16):
+        store.set(started_key(r), "1")
+    return store
 
 
 def test_a_lost_engines_slots_go_to_the_least_loaded_live_engines(store):

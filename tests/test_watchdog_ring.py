@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from llamarl.runtime.layout import compute_layout
-from llamarl.runtime.roster import Roster
+from llamarl.runtime.roster import Roster, started_key
 from llamarl.runtime.setup import engine_loss_allowed, engine_loss_excuse, free_port
 from llamarl.runtime.watchdog import STALE_S, WATCHERS, Watchdog
 
@@ -111,6 +111,9 @@ def test_a_lost_engine_reaches_every_rank_through_the_roster_and_its_replacement
         server):
     layout = compute_layout(6, 3, 2, 4, 1)
     events: list[tuple[int, str]] = []
+    keys = store_client(server)
+    for r in range(layout.world_size):  # (lost after start-up: runtime/roster.py started_key)
+        keys.set(started_key(r), "1")
     dogs = _dogs(server, layout, 3.0, events, excuse=engine_loss_excuse(layout, True),
                  can_lose=engine_loss_allowed(layout, True))
     lost: dict[int, list[int]] = {r: [] for r in dogs}
