@@ -397,6 +397,14 @@ class SyncConfig:
     # job survives it: docs/operations.md); `auto`: pairs where that lets a GPU job on one
     # node go on after an engine loss (sync.engine_loss continue, 2+ engines), else shared.
     weight_groups: str = "auto"
+    # torch transport, more than one trainer rank: who sends the weights. `every`: each
+    # trainer rank sends its own FSDP2 shards on groups of its own (an engine GPU is in one
+    # weight group per trainer rank); `one`: the trainer ranks all-gather each bucket and
+    # trainer 0 alone sends full tensors (an engine GPU is in one weight group, plus one
+    # resharding group with tp > 1, at any trainer count: parallel/weight_gather.py);
+    # `auto`: `one` on NCCL (GPUs: one sender's link bounds a ring broadcast anyway,
+    # docs/scaling.md), `every` on gloo (CPU).
+    senders: str = "auto"
     # A step whose mismatch_kl (engine vs trainer logprobs of the samples) exceeds this factor
     # x the run's usual (the median of the earlier steps, at least 0.01) is reported in one
     # line with the likely causes (trainer/metrics.py: MismatchWatch); 0 = never.
@@ -451,6 +459,7 @@ _CHOICES = {
     "generator.mode": ("batch", "continuous"),
     "sync.engine_loss": ("continue", "stop"),
     "sync.weight_groups": ("auto", "shared", "pairs"),
+    "sync.senders": ("auto", "every", "one"),
     "generator.in_flight_kv": ("recompute", "keep"),
     "model.attn_implementation": ("sdpa", "eager", "flash_attention_2", "flex_attention"),
     "trainer.master_dtype": ("float32", "bfloat16"),
@@ -577,6 +586,10 @@ def validate(cfg: Config) -> Config:
         _fail("sync.transport", cfg.sync.transport,
               "use torch, filesystem, or the import path of a module with Sender and Receiver "
               "classes (llamarl/parallel/transports/base.py)")
+    if cfg.sync.senders == "one" and cfg.sync.transport != "torch":
+        _fail("sync.senders", cfg.sync.senders,
+              f"one sender needs sync.transport torch (it is {cfg.sync.transport!r}): set "
+              "sync.senders every (or auto), or sync.transport torch")
     if cfg.sync.engine_restarts < 0:
         _fail("sync.engine_restarts", cfg.sync.engine_restarts, "must be >= 0")
     if cfg.sync.max_staleness < cfg.sync.every - 1:

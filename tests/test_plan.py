@@ -36,9 +36,9 @@ def test_pair_groups_on_nccl_when_engines_can_be_lost():
     (trainer, engine), [trainer r, engine e's tp ranks]; an engine rank is in one per trainer
     rank; a lost engine's pairs can be aborted, so the job survives."""
     layout = compute_layout(6, 6, 2, 2, 2)  # trainers 0-1, engine 0 = 2-3, engine 1 = 4-5
-    plan = comm_plan(_cfg("trainer.ranks=2", "generator.engines=2", "generator.tp=2"),
-                     layout, "nccl")
-    assert plan.weight_pairs and plan.survives_engine_loss
+    plan = comm_plan(_cfg("trainer.ranks=2", "generator.engines=2", "generator.tp=2",
+                          "sync.senders=every"), layout, "nccl")
+    assert plan.weight_pairs and plan.survives_engine_loss and plan.senders == 2
     assert [(g.name, g.ranks) for g in plan.weight_groups(1)] == [
         ("wsync1/pair0", (1, 2, 3)), ("wsync1/pair1", (1, 4, 5))]
     assert [g.name for g in plan.receiver_groups(5)] == ["wsync0/pair1", "wsync1/pair1"]
@@ -56,7 +56,7 @@ def test_reshard_groups_on_broadcasts_with_shared_groups():
     rank is in one per trainer rank."""
     layout = compute_layout(6, 6, 2, 2, 2)
     plan = comm_plan(_cfg("trainer.ranks=2", "generator.engines=2", "generator.tp=2",
-                          "sync.engine_loss=stop"), layout, "nccl")
+                          "sync.engine_loss=stop", "sync.senders=every"), layout, "nccl")
     assert not plan.weight_pairs and plan.reshard_groups and not plan.survives_engine_loss
     assert [(g.name, g.ranks) for g in plan.reshard_groups_of(0)] == [
         ("wsync0t0", (0, 2, 4)), ("wsync0t1", (0, 3, 5))]
@@ -93,11 +93,59 @@ def test_rollout_channels_follow_the_shares():
     assert [g.name for g in plan.groups_of(4) if g.purpose == "rollouts"] == ["xfer/e2t1"]
 
 
-@pytest.mark.parametrize("backend", ["gloo", "nccl"])
-def test_every_group_a_rank_counts_has_it_as_a_member(backend):
+@pytest.mark.parametrize("backend,senders", [("gloo", "auto"), ("nccl", "every"),
+                                             ("nccl", "one"), ("gloo", "one")])
+def test_every_group_a_rank_counts_has_it_as_a_member(backend, senders):
     layout = compute_layout(12, 6, 4, 4, 2)
     plan = comm_plan(_cfg("trainer.ranks=4", "generator.engines=4", "generator.tp=2",
-                          "sync.engine_loss=stop"), layout, backend)
+                          "sync.engine_loss=stop", f"sync.senders={senders}"), layout, backend)
     for rank in range(layout.world_size):
         for group in plan.groups_of(rank):
             assert rank in group.ranks, (rank, group)
+
+
+def test_one_sender_shared_groups_and_resharding():
+    """sync.senders one, NCCL, shared groups (engine_loss stop), 3 trainer ranks (0-2), 2
+    engines of tp 2 (3-4, 5-6): trainer 0 alone sends, on wsync0 and wsync0t<k>; trainers 1
+    and 2 are in no weight group; an engine GPU is in 1 weight + 1 resharding group (every:
+    3 + 3)."""
+    layout = compute_layout(7, 7, 3, 2, 2)
+    cfg = ["trainer.ranks=3", "generator.engines=2", "generator.tp=2", "sync.engine_loss=stop",
+           "generator.prompts_per_step=72"]
+    plan = comm_plan(_cfg(*cfg, "sync.senders=one"), layout, "nccl")
+    assert plan.one_sender and plan.senders == 1 and plan.reshard_groups
+    assert [(g.name, g.ranks) for g in plan.weight_groups(0)] == [("wsync0", (0, 3, 4, 5, 6))]
+    assert plan.weight_groups(1) == plan.weight_groups(2) == []
+    assert [g.name for g in plan.groups_of(0)] == ["wsync0", "wsync0t0", "wsync0t1"]
+    assert plan.groups_of(2) == []
+    assert [(g.name, g.ranks) for g in plan.groups_of(6)] == [
+        ("wsync0", (0, 3, 4, 5, 6)), ("engine1/commands", [5, 6]), ("wsync0t1", (0, 4, 6))]
+    every = comm_plan(_cfg(*cfg, "sync.senders=every"), layout, "nccl")
+    assert [g.purpose for g in every.groups_of(6)].count("weights") == 3
+    assert [g.purpose for g in every.groups_of(6)].count("reshard") == 3
+    # auto: one on NCCL, every on gloo
+    assert comm_plan(_cfg(*cfg), layout, "nccl").one_sender
+    assert not comm_plan(_cfg(*cfg), layout, "gloo").one_sender
+
+
+def test_one_sender_pair_groups():
+    """sync.senders auto on NCCL with engines that can be lost: trainer 0's pair groups
+    alone, wsync0/pair<e>; engine 1's ranks receive on wsync0/pair1 only."""
+    layout = compute_layout(6, 6, 2, 2, 2)
+    plan = comm_plan(_cfg("trainer.ranks=2", "generator.engines=2", "generator.tp=2"),
+                     layout, "nccl")
+    assert plan.weight_pairs and plan.one_sender and plan.survives_engine_loss
+    assert [(g.name, g.ranks) for g in plan.weight_groups(0)] == [
+        ("wsync0/pair0", (0, 2, 3)), ("wsync0/pair1", (0, 4, 5))]
+    assert plan.weight_groups(1) == []
+    assert [g.name for g in plan.groups_of(5)] == ["wsync0/pair1", "engine1/commands"]
+
+
+def test_one_trainer_rank_or_another_transport_sends_as_every():
+    layout = compute_layout(3, 3, 1, 2, 1)
+    assert not comm_plan(_cfg("generator.engines=2", "sync.senders=one"), layout,
+                         "nccl").one_sender  # one trainer rank: it is the one sender
+    with pytest.raises(ValueError, match="sync.senders"):
+        _cfg("sync.senders=one", "sync.transport=filesystem")
+    with pytest.raises(ValueError, match="sync.senders"):
+        _cfg("sync.senders=all")

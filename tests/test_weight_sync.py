@@ -78,3 +78,43 @@ def test_weight_broadcast_parity_with_fsdp2_trainers(tmp_path, tiny_model_dir, t
         assert r["sent_as_is"] < r["buckets"], r
     else:
         assert 0 < r["sent_as_is"] < r["buckets"], "some sent from the parameters, some packed"
+
+
+def _parity_run(tmp_path, tiny_model_dir, name, tp, engines, overrides, **env) -> list[dict]:
+    out = tmp_path / f"{name}.json"
+    proc = torchrun(2 + engines * tp, [str(DIST / "weight_sync_parity.py")], timeout=600,
+                    OUT=out, MODEL_DIR=tiny_model_dir, RUNS=tmp_path / f"runs-{name}", TP=tp,
+                    ENGINES=engines, OVERRIDES=overrides, **env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads(out.read_text())] + [json.loads(Path(f"{out}.e{e}").read_text())
+                                            for e in range(1, engines)]
+
+
+# shared groups to 2 engines; a tp 2 engine on NCCL's paths (broadcasts, the resharding
+# group wsync0t<k> from the second sync); pair groups; a LoRA policy's merged weights to a
+# tp 2 engine, resharded
+@pytest.mark.parametrize("tp,engines,overrides,env", [
+    (1, 2, "", {}),
+    (2, 1, "", {"LLAMARL_GLOO_BROADCAST": "1"}),
+    (1, 2, "sync.weight_groups=pairs", {}),
+    (2, 1, "model.lora.rank=4 trainer.lr=3e-2", {})],
+    ids=["shared-2x2", "nccl-shaped-tp2", "pairs-2x2", "lora-merged-tp2"])
+def test_one_sender_delivers_the_bytes_every_sender_does(tmp_path, tiny_model_dir, tp,
+                                                         engines, overrides, env):
+    """sync.senders one (trainer 0 sends the gathered full tensors) against every (each
+    trainer rank its shards), 2 FSDP2 trainer ranks, the same training: every engine rank
+    holds the very same bytes after the first sync (load_weights) and the second (replayed;
+    resharded with tp 2), and one sender's engines received from one sender."""
+    every = _parity_run(tmp_path, tiny_model_dir, "every", tp, engines,
+                        f"{overrides} sync.senders=every", **env)
+    one = _parity_run(tmp_path, tiny_model_dir, "one", tp, engines,
+                      f"{overrides} sync.senders=one", **env)
+    for e, (a, b) in enumerate(zip(every, one)):
+        assert b["greedy_match"] and b["max_abs_dlogprob"] <= 1e-3, (e, b)
+        assert a["sha_after_1"] == b["sha_after_1"], f"engine {e}: first sync differs"
+        assert a["sha_after_2"] == b["sha_after_2"], f"engine {e}: second sync differs"
+        assert a["sha_after_1"] != a["sha_after_2"]
+    assert one[0]["senders"] == 1 and every[0]["senders"] == 2
+    if tp == 2:  # the second sync sent each tp rank its half of most tensors
+        assert 0.5 * one[0]["bytes_full"] <= one[0]["bytes_resharded"] < 0.6 * one[0][
+            "bytes_full"], one[0]

@@ -54,7 +54,7 @@ from llamarl.generator.tp import EngineCommands, follow_leader
 from llamarl.generator.weights import WeightFollower, fresh_version
 from llamarl.parallel.groups import planned_spec
 from llamarl.parallel.plan import plan_for
-from llamarl.parallel.weight_sync import engine_transport, replacement_transport
+from llamarl.parallel.weight_sync import engine_transport, replacement_transport, sender_metas
 from llamarl.rewards.dynamic_sampling import collect_groups
 from llamarl.rewards.scorer import RewardScorer, ScoredGroup
 from llamarl.rollout.source import RolloutSource, SourceContext, build_source
@@ -131,11 +131,9 @@ def largest_call(rt: Runtime, held_out: int) -> int:
 def join_weight_groups(rt: Runtime, engine: Engine) -> int:
     """Open the engine's end of the weight sync (the plan's groups, parallel/plan.py: torch
     transport, wsync<r> = [trainer r (group rank 0), generator ranks (1 + j)] for every
-    trainer rank r, see parallel.weight_sync.open_sender); returns the first sync it
-    receives: 0."""
-    trainers = range(rt.layout.trainer_ranks)
-    engine.join_weight_sync(engine_transport(rt),
-                            [rt.wait_key(f"wsync/meta/{r}") for r in trainers],
+    trainer rank r, or trainer 0 alone under sync.senders one, see parallel.weight_sync.
+    open_sender); returns the first sync it receives: 0."""
+    engine.join_weight_sync(engine_transport(rt), sender_metas(rt),
                             rt.cfg.sync.bucket_mb, rt.cfg.sync.solo_mb, synced_adapter(rt.cfg),
                             rt.cfg.sync.receive_buffers, allocated_later(rt))
     return 0
@@ -164,13 +162,13 @@ def synced_adapter(cfg) -> dict | None:
 def join_as_replacement(rt: Runtime, engine: Engine) -> int:
     """A replacement engine (launch/join.py) asks the trainers for its weights; trainer 0
     picks the sync they start with (parallel/weight_members.py), and each tp rank of this
-    engine builds a group with each trainer rank for it, [trainer r, its tp ranks] (the
+    engine builds a group with each sender for it, [trainer r, its tp ranks] (the
     filesystem transport: reads the files of that sync on). Returns that sync's number.
 
     With tp > 1 the syncs it receives are resharded from the first (the senders are past
     their first sync): each tp rank reads what the engine's tp rank of its number read on
     the job's first sync (`wsync/needs/<receiver>`, weight_receiver)."""
-    e, n, trainers = rt.role.index, rt.joining, range(rt.layout.trainer_ranks)
+    e, n = rt.role.index, rt.joining
     tp, k = rt.layout.tp, rt.role.tp_rank
     if k:  # tp rank 0 asks once every tp rank is up (the trainers then wait for them all)
         rt.store.set(f"join/{e}/{n}/up/{k}", "1")
@@ -185,7 +183,7 @@ def join_as_replacement(rt: Runtime, engine: Engine) -> int:
     if tp > 1 and reshards(rt.cfg):  # receiver 1 + k: tp rank k of engine 0
         options["needs"] = rt.wait_key(f"wsync/needs/{1 + k}")
     spec = replacement_transport(rt, n, first, options)
-    engine.join_weight_sync(spec, [rt.wait_key(f"wsync/meta/{r}") for r in trainers],
+    engine.join_weight_sync(spec, sender_metas(rt),
                             rt.cfg.sync.bucket_mb, rt.cfg.sync.solo_mb, synced_adapter(rt.cfg),
                             rt.cfg.sync.receive_buffers, allocated_later(rt))
     return first

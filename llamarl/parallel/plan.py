@@ -5,6 +5,7 @@ store is touched), in the style of runtime/layout.py.
     purpose    name                       members (global ranks)                   when
     weights    wsync<r>                   trainer r, every generator rank          shared groups
                wsync<r>/pair<e>           trainer r, engine e's tp ranks           pair groups
+                                          (r = 0 alone under sync.senders one)
     reshard    wsync<r>t<k>               trainer r, tp rank k of every engine     tp > 1, resharded
                                                                                    syncs, broadcasts
     rollouts   xfer/e<e>t<r>              engine e's leader, trainer r             different nodes,
@@ -23,6 +24,11 @@ when E >= T). A rollout channel between ranks of one node goes through shared me
 (buffer/shm.py) and needs no group. Shared or pair weight groups: sync.
 weight_groups (auto picks pairs on NCCL when the job survives engine losses on one node, so a
 lost engine's groups can be aborted and the others go on).
+
+Who sends (sync.senders, `one_sender`): every trainer rank its own shards on its own groups, or
+trainer 0 alone the full tensors (the trainer ranks all-gather each bucket first: parallel/
+weight_gather.py), so that an engine GPU is in `senders` = 1 weight group (+ 1 resharding
+group) whatever the trainer count.
 
 Whether the job goes on when an engine is lost (sync.engine_loss = continue) is decided here
 too, since it depends on which groups can leave a member out (`survives_engine_loss`).
@@ -78,13 +84,22 @@ class CommPlan:
     reshard_groups: bool  # per-tp-rank broadcast groups for resharded syncs
     survives_engine_loss: bool  # the job goes on when an engine is lost
     shares: PromptShares  # which engine sends which trainer rank which prompt groups
+    one_sender: bool = False  # trainer 0 alone sends the weights, gathered (sync.senders)
+
+    @property
+    def senders(self) -> int:
+        """How many trainer ranks send weights (trainer ranks 0 .. senders - 1); what each
+        engine receives from, and how many shard layouts (`wsync/meta/<r>`) it reads."""
+        return 1 if self.one_sender else self.layout.trainer_ranks
 
     # -- weights ------------------------------------------------------------------------
     def weight_groups(self, trainer: int) -> list[PlannedGroup]:
         """The groups trainer rank `trainer` sends its weight syncs on (group rank 0), in
         engine order for pairs (a transport other than torch's is handed them and may ignore
-        them: the filesystem transport does)."""
+        them: the filesystem transport does); none for a trainer rank that does not send."""
         lay, t = self.layout, self.layout.trainer_global_ranks[trainer]
+        if trainer >= self.senders:
+            return []
         if self.weight_pairs:
             return [PlannedGroup(pair_group_name(trainer, e),
                                  (t, *lay.engine_global_ranks(e)), WEIGHTS)
@@ -92,26 +107,26 @@ class CommPlan:
         return [PlannedGroup(f"wsync{trainer}", (t, *lay.generator_global_ranks), WEIGHTS)]
 
     def receiver_groups(self, global_rank: int) -> list[PlannedGroup]:
-        """The weight groups generator rank `global_rank` receives on, one per trainer rank
+        """The weight groups generator rank `global_rank` receives on, one per sender
         in trainer order (the order the engines receive in, docs/architecture.md)."""
         lay = self.layout
         if not self.weight_pairs:
-            return [g for r in range(lay.trainer_ranks) for g in self.weight_groups(r)]
+            return [g for r in range(self.senders) for g in self.weight_groups(r)]
         engine = lay.role_of(global_rank).index
         return [PlannedGroup(pair_group_name(r, engine),
                              (lay.trainer_global_ranks[r], *lay.engine_global_ranks(engine)),
-                             WEIGHTS) for r in range(lay.trainer_ranks)]
+                             WEIGHTS) for r in range(self.senders)]
 
     def reshard_groups_of(self, global_rank: int) -> list[PlannedGroup]:
         """Resharded syncs on broadcasts: [trainer r, tp rank k of every engine], one per
-        (r, k). A trainer rank is in tp of them, a generator rank in one per trainer rank."""
+        (r, k). A sending trainer rank is in tp of them, a generator rank in one per sender."""
         if not self.reshard_groups:
             return []
         lay, role = self.layout, self.layout.role_of(global_rank)
         if role.role == "trainer":
-            pairs = [(role.index, k) for k in range(lay.tp)]
+            pairs = [(role.index, k) for k in range(lay.tp) if role.index < self.senders]
         else:
-            pairs = [(r, role.tp_rank) for r in range(lay.trainer_ranks)]
+            pairs = [(r, role.tp_rank) for r in range(self.senders)]
         return [PlannedGroup(f"wsync{r}t{k}", (lay.trainer_global_ranks[r], *(
             lay.engine_global_ranks(e)[k] for e in range(lay.engines))), RESHARD)
             for r, k in pairs]
@@ -188,7 +203,21 @@ def comm_plan(cfg, layout: Layout, backend: str) -> CommPlan:
     reshard = (not pairs and layout.tp > 1 and reshards(cfg) and broadcasts(backend))
     return CommPlan(layout, backend, cfg.sync.transport, pairs, reshard,
                     survives_engine_loss(cfg, layout, backend),
-                    prompt_shares(cfg, layout.engines, layout.trainer_ranks))
+                    prompt_shares(cfg, layout.engines, layout.trainer_ranks),
+                    one_sender(cfg, layout, backend))
+
+
+def one_sender(cfg, layout: Layout, backend: str) -> bool:
+    """Whether trainer 0 alone sends the weights (sync.senders): `one` with more than one
+    trainer rank on the torch transport; `auto` too on NCCL, where one sender's link bounds
+    a broadcast to every engine anyway (docs/scaling.md), and the T weight communicators per
+    engine GPU of `every` would grow with the trainers. On gloo `auto` keeps `every`: the
+    T trainer links work in parallel and the CPU recipes' syncs stay what they were."""
+    if cfg.sync.transport != "torch" or layout.trainer_ranks == 1:
+        return False
+    if cfg.sync.senders != "auto":
+        return cfg.sync.senders == "one"
+    return backend == "nccl"
 
 
 def weight_pairs(cfg, layout: Layout, backend: str) -> bool:

@@ -84,15 +84,14 @@ class WeightSender:
         self.transport = transport
         self.lost_grace_s = lost_grace_s
         self.buffers = persistent_buffer_names(model)
-        self.metas = [m for m, _ in local_pieces(model, rank, self.buffers, wire_dtype,
-                                                 adapters)]
+        self.metas = self._own_metas(model, wire_dtype, adapters)
         self._bucket_bytes, self._solo_bytes = bucket_mb << 20, solo_bytes_of(solo_mb)
         self.buckets = plan_buckets(self.metas, self._bucket_bytes, self._solo_bytes)
         self.syncs = 0  # syncs published
         self._blocks: list | None = None  # per tp rank (see _routes), from the second sync
         self.device = device
         self.store = store
-        self.bytes_per_sync = sum(b.numel * itemsize(b.dtype) for b in self.buckets)
+        self.bytes_per_sync = self._bytes_sent()
         self.last_broadcast_s = 0.0
         # Where each tensor lives (its module's _parameters or _buffers dict, and its key),
         # resolved once: walking the module tree per sync cost ~0.5 ms for the tiny model.
@@ -116,6 +115,32 @@ class WeightSender:
         # are done, and packing would cast them to it anyway (half the memory in bfloat16)
         self._merged_dtype = {m.name: DTYPES_BY_NAME[m.dtype] for m in self.metas
                               if m.name in merged}
+        self._plan_buffers(tensors, origin)
+        self._works: list[tuple[int, Work]] = []  # (receiver, or -1: all) awaited by wait
+        # gloo point to point: a thread waits for each sync's sends (see _track)
+        self._waiter: threading.Thread | None = None
+        self._in_flight: queue.SimpleQueue = queue.SimpleQueue()
+        self._sent: threading.Event | None = None  # set when the sync in flight is sent
+        self._failures: list[tuple[int, BaseException]] = []  # (receiver, why its send failed)
+        self._blocked_on: int | None = None  # the receiver whose send the waiter waits for
+        self._announced = 0
+        if connect is not None:  # last: the receivers may build their end from here on
+            self.transport = connect(self.metas)
+
+    def _own_metas(self, model: torch.nn.Module, wire_dtype: torch.dtype | None,
+                   adapters: bool) -> list[TensorMeta]:
+        """The pieces this rank sends (its shards), as published to the receivers."""
+        return [m for m, _ in local_pieces(model, self.rank, self.buffers, wire_dtype,
+                                           adapters)]
+
+    def _bytes_sent(self) -> int:
+        return sum(b.numel * itemsize(b.dtype) for b in self.buckets)
+
+    def _plan_buffers(self, tensors: dict[str, torch.Tensor], origin: dict[str, str]) -> None:
+        """The send buffers: one per bucket, allocated once, with the shards in the wire
+        dtype placed in their slots for good (`direct`, `_flats`, `_slots`, `placed`)."""
+        model = self._model
+        device = self.device
         # Buckets sent straight from their one tensor (not a replicated one: that is gathered
         # anew every sync) get no buffer (None) and no slots.
         own = {}
@@ -139,16 +164,6 @@ class WeightSender:
         kinds = {name: kind for name, _, _, kind in self._sources}
         self.placed = place_shards(model, {origin[name]: slot for slots in self._slots
                                            for name, slot in slots if kinds[name] != "merged"})
-        self._works: list[tuple[int, Work]] = []  # (receiver, or -1: all) awaited by wait
-        # gloo point to point: a thread waits for each sync's sends (see _track)
-        self._waiter: threading.Thread | None = None
-        self._in_flight: queue.SimpleQueue = queue.SimpleQueue()
-        self._sent: threading.Event | None = None  # set when the sync in flight is sent
-        self._failures: list[tuple[int, BaseException]] = []  # (receiver, why its send failed)
-        self._blocked_on: int | None = None  # the receiver whose send the waiter waits for
-        self._announced = 0
-        if connect is not None:  # last: the receivers may build their end from here on
-            self.transport = connect(self.metas)
 
     def _local_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's piece of every tensor, by name (same pieces as `local_pieces`)."""
@@ -182,10 +197,7 @@ class WeightSender:
         by bucket and post each bucket's broadcast at once; returns without waiting for them."""
         assert model is self._model, "a sender publishes the model it was built for"
         self.wait()  # the previous sync's buffers are free again
-        if self.rank == 0 and version is not None:
-            assert self.store is not None, "trainer 0 announces versions in the job store"
-            self.store.set(f"wsync/version/{self._announced}", str(version))
-            self._announced += 1
+        self._announce(version)
         t0 = time.perf_counter()
         works = []
         with torch.no_grad():
@@ -221,6 +233,13 @@ class WeightSender:
                     works += self._send_blocks(sliced, local, to)
         self.syncs += 1
         self._track(works, t0, self.transport.point_to_point)
+
+    def _announce(self, version: int | None) -> None:
+        """Trainer 0: `wsync/version/<i>` = `version` for sync i (None: not announced)."""
+        if self.rank == 0 and version is not None:
+            assert self.store is not None, "trainer 0 announces versions in the job store"
+            self.store.set(f"wsync/version/{self._announced}", str(version))
+            self._announced += 1
 
     # -- resharded syncs (tp > 1 engines, weight_plan.Needs) ------------------------------
     def _routes(self, local: dict[str, torch.Tensor]) -> list[tuple[int | None, list | None]]:

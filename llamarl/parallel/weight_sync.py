@@ -3,6 +3,8 @@
 
     weight_plan.py     what each trainer rank sends, and its buckets (one message each)
     weight_sender.py   packing a rank's shards into the buckets and sending them
+    weight_gather.py   sync.senders one: the trainer ranks gather each bucket, trainer 0
+                       alone sends full tensors (one weight group per engine GPU)
     weight_receiver.py receiving them and writing them into the engine (load_weights, then
                        replayed copies)
     transports/        what moves the bytes: `torch` (gloo / NCCL groups, the default) or
@@ -49,6 +51,7 @@ from llamarl.parallel.groups import GroupSpec, job_group_spec, planned_spec
 from llamarl.parallel.plan import join_group_name, plan_for
 from llamarl.parallel.transports import transport_module
 from llamarl.parallel.transports.base import TransportSpec
+from llamarl.parallel.weight_gather import OneSender
 from llamarl.parallel.weight_plan import TensorMeta, metas_to_json
 from llamarl.parallel.weight_receiver import WeightReceiver
 from llamarl.parallel.weight_sender import WeightSender
@@ -61,7 +64,8 @@ def open_weight_sync(side: str, spec: TransportSpec, bucket_mb: int, device: tor
                      publish_metas: Callable[[list[TensorMeta]], None] | None = None,
                      metas: list[list[TensorMeta]] | None = None,
                      adapters: bool = False, members: Callable | None = None,
-                     receive_buffers: int = 0) -> WeightSender | WeightReceiver:
+                     receive_buffers: int = 0,
+                     gather_world: int = 0) -> WeightSender | WeightReceiver:
     """Open one end of a weight sync over transport `spec.name` (sync.transport), complete.
 
     side "send" (trainer rank spec.me): a WeightSender of `model`'s shards. Its shard layout
@@ -73,7 +77,9 @@ def open_weight_sync(side: str, spec: TransportSpec, bucket_mb: int, device: tor
     of `receive_buffers` buffers where it can (sync.receive_buffers, WeightReceiver).
     `adapters` (model.lora.sync adapters): a LoRA policy's adapters alone are sent, and
     received for an adapter of vLLM's (generator/lora_adapter.py), not the engine's weights
-    (no recorded replay, no resharding)."""
+    (no recorded replay, no resharding). `gather_world` (sync.senders one): the sender is a
+    OneSender of that many trainer ranks (parallel/weight_gather.py), which gathers each
+    bucket over the default process group; trainer 0 alone connects and publishes."""
     transport = transport_module(spec.name)
     if side == "send":
         assert model is not None
@@ -85,6 +91,10 @@ def open_weight_sync(side: str, spec: TransportSpec, bucket_mb: int, device: tor
                 return transport.Sender(spec)
             return transport.Sender(spec, members=members)
 
+        if gather_world:
+            return OneSender(model, spec.me, gather_world, bucket_mb, device, store,
+                             wire_dtype=wire_dtype, solo_mb=solo_mb, lost_grace_s=lost_grace_s,
+                             adapters=adapters, connect=connect)
         return WeightSender(model, spec.me, bucket_mb, None, device, store,
                             wire_dtype=wire_dtype, solo_mb=solo_mb, lost_grace_s=lost_grace_s,
                             adapters=adapters, connect=connect)
@@ -98,7 +108,8 @@ def transport_spec(rt, me: int, groups: list[GroupSpec],
     """One end of the weight sync (parallel/transports) of the running job (a runtime.setup.
     Runtime): trainer rank `me` with its groups, or receiver `me` (1 + its index among the
     generator ranks) with one group per trainer rank (the plan's, parallel/plan.py, or a
-    replacement's). `options`: the transport's own (TransportSpec.options)."""
+    replacement's); the receivers expect `plan.senders` senders (sync.senders).
+    `options`: the transport's own (TransportSpec.options)."""
     sync, layout, plan = rt.cfg.sync, rt.layout, plan_for(rt)
     # filesystem: a directory of this launch's own (run_id is new at every launch, a
     # restart's included), so no run reads the files of another sharing transport_dir
@@ -108,7 +119,7 @@ def transport_spec(rt, me: int, groups: list[GroupSpec],
     # resharded syncs broadcast to one tp rank's receivers: [trainer r, tp rank k of every
     # engine] (gloo sends point to point and needs none)
     tp_groups = [planned_spec(rt, g) for g in plan.reshard_groups_of(rt.role.rank)]
-    return TransportSpec(sync.transport, me, layout.trainer_ranks,
+    return TransportSpec(sync.transport, me, plan.senders,
                          len(layout.generator_global_ranks),
                          tuple(groups), str(directory),
                          sync.timeout_s, layout.tp, reshards(rt.cfg), tuple(tp_groups),
@@ -120,7 +131,9 @@ def open_sender(rt, model: torch.nn.Module) -> WeightSender:
     transport: wsync<r> = [trainer r, every generator rank], or one pair group per engine),
     its shard layout published in the store for the engines (`wsync/meta/<r>`, read by
     `engine_transport`'s callers), and, when the job survives engine losses, the members
-    that follow the roster (parallel/weight_members.py)."""
+    that follow the roster (parallel/weight_members.py). One sender (sync.senders): every
+    trainer rank gathers, trainer 0 alone has groups and publishes `wsync/meta/0` (the full
+    tensors)."""
     from llamarl.parallel.weight_members import EngineMembers, FileMembers
 
     r, sync, plan = rt.role.index, rt.cfg.sync, plan_for(rt)
@@ -139,12 +152,13 @@ def open_sender(rt, model: torch.nn.Module) -> WeightSender:
         "send", spec, sync.bucket_mb, rt.device, sync.solo_mb, model=model, store=rt.store,
         wire_dtype=getattr(torch, rt.cfg.model.dtype), lost_grace_s=sync.dead_peer_s + 5.0,
         publish_metas=lambda metas: rt.store.set(f"wsync/meta/{r}", metas_to_json(metas)),
-        adapters=adapter_sync(rt.cfg), members=members)  # model.lora.sync adapters: A and B
+        adapters=adapter_sync(rt.cfg), members=members,  # model.lora.sync adapters: A and B
+        gather_world=rt.layout.trainer_ranks if plan.one_sender else 0)
 
 
 def engine_transport(rt) -> TransportSpec:
     """This generator rank's end of the weight sync of the launch: receiver 1 + its index
-    among the generator ranks, on one plan group per trainer rank (trainer order)."""
+    among the generator ranks, on one plan group per sender (trainer order)."""
     me = 1 + rt.layout.generator_global_ranks.index(rt.role.rank)
     return transport_spec(rt, me, [planned_spec(rt, g)
                                    for g in plan_for(rt).receiver_groups(rt.role.rank)])
@@ -152,7 +166,7 @@ def engine_transport(rt) -> TransportSpec:
 
 def replacement_transport(rt, incarnation: str, first: int, options: dict) -> TransportSpec:
     """A replacement engine's end (launch/join.py): tp rank k receives as receiver 1 + k on
-    a group of its own with each trainer rank, [trainer r, its tp ranks] (the filesystem
+    a group of its own with each sender, [trainer r, its tp ranks] (the filesystem
     transport: the files of the engine it replaces, from sync `first` on)."""
     e, k, tp = rt.role.index, rt.role.tp_rank, rt.layout.tp
     if rt.cfg.sync.transport == "filesystem":
@@ -160,7 +174,13 @@ def replacement_transport(rt, incarnation: str, first: int, options: dict) -> Tr
         return transport_spec(rt, me, [], {**options, "first_sync": first})
     return transport_spec(rt, 1 + k, [job_group_spec(rt, join_group_name(r, e, incarnation),
                                                      1 + k, 1 + tp)
-                                      for r in range(rt.layout.trainer_ranks)], options)
+                                      for r in range(plan_for(rt).senders)], options)
+
+
+def sender_metas(rt) -> list[str]:
+    """Every sender's shard layout (`wsync/meta/<r>`, JSON), waited for, in sender order:
+    what an engine builds its receiver from."""
+    return [rt.wait_key(f"wsync/meta/{r}") for r in range(plan_for(rt).senders)]
 
 
 def announced_version(store, index: int) -> int:

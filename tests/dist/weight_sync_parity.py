@@ -108,6 +108,8 @@ def generator(rt, model_dir):
                                      sampled)
         result["greedy_match"] &= match
         result["max_abs_dlogprob"] = max(result["max_abs_dlogprob"], dlp)
+        # the engine's exact bytes (every tp rank's), to compare sync schemes (sync.senders)
+        result[f"sha_after_{sync}"] = engine.llm.collective_rpc(weights_sha)
         if sync == 1:
             result["changed_tokens"] = [a[0].token_ids != b[0].token_ids
                                         for a, b in zip(before, greedy)]
@@ -117,6 +119,8 @@ def generator(rt, model_dir):
     result["ordered"], result["tp_groups"] = engine.llm.collective_rpc(
         lambda worker: (getattr(worker._llamarl_receiver.transport, "ordered", False),
                         len(getattr(worker._llamarl_receiver.transport, "tp_groups", []))))[0]
+    result["senders"] = engine.llm.collective_rpc(
+        lambda worker: len(worker._llamarl_receiver.plans))[0]
     result["replayed"], result["in_place"] = engine.llm.collective_rpc(
         lambda worker: (worker._llamarl_receiver.replay is not None,
                         sum(t is not f for ts, fs in zip(worker._llamarl_receiver.targets,
@@ -139,6 +143,17 @@ def generator(rt, model_dir):
     out = os.environ["OUT"] + (f".e{rt.role.index}" if rt.role.index else "")
     with open(out, "w") as f:
         json.dump(result, f)
+
+
+def weights_sha(worker) -> str:
+    """SHA-256 of this engine rank's parameters' bytes, in the model's order."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, p in worker.model_runner.model.named_parameters():
+        h.update(name.encode())
+        h.update(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def compare_with_hf(model_dir, state_path, ids, greedy, sampled) -> tuple[bool, float]:
