@@ -4,11 +4,11 @@ step, by hand-computed ranges."""
 from __future__ import annotations
 
 import pytest
+from test_buffer import make_batch
 
 from llamarl.buffer.record import split_counts
 from llamarl.config import load_config
 from llamarl.parallel.shares import PromptShares, Route
-from test_buffer import make_batch
 
 
 def test_equal_shares_one_channel_each():

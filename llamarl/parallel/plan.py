@@ -167,7 +167,7 @@ class CommPlan:
     def groups_of(self, global_rank: int) -> list[PlannedGroup]:
         """Every group of the launch that rank `global_rank` joins (replacements' join
         groups are made later, one set per replacement, and are not counted)."""
-        lay, role = self.layout, self.layout.role_of(global_rank)
+        role = self.layout.role_of(global_rank)
         if role.role == "trainer":
             out = self.weight_groups(role.index)
             rollouts = [self.rollout_group(e, role.index)
