@@ -40,7 +40,10 @@ def _free_port() -> int:
 
 def launch(tmp_path: Path, cache_dir, steps: int, extra: tuple[str, ...] = (),
            trainers: int = TRAINERS, engines: int = ENGINES) -> list[subprocess.Popen]:
-    """One process per rank, as srun starts them, with the NCCL-shaped groups."""
+    """One process per rank, as srun starts them, with the NCCL-shaped groups. Each rank's
+    output goes to tmp_path/rank<N>.log (`_log`), not a pipe: a pipe nobody reads until the end
+    fills at 64 KiB and blocks the rank that writes to it, and a pipe a rank's child inherited
+    stays open after the rank has ended."""
     port, ranks = _free_port(), trainers + engines
     procs = []
     for rank in range(ranks):
@@ -53,9 +56,18 @@ def launch(tmp_path: Path, cache_dir, steps: int, extra: tuple[str, ...] = (),
                "generator.prompts_per_step=8", f"run.steps={steps}", "run.eval_every=0",
                "data.eval_prompts=16", "sync.weight_groups=pairs", "sync.engine_loss=continue",
                "sync.dead_peer_s=10", *extra]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        with open(tmp_path / f"rank{rank}.log", "w") as log:
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log,
+                                          stderr=subprocess.STDOUT, text=True))
+        _LOGS[procs[-1].pid] = tmp_path / f"rank{rank}.log"
     return procs
+
+
+_LOGS: dict[int, Path] = {}  # a rank's process id -> the file its output goes to
+
+
+def _log(p: subprocess.Popen) -> str:
+    return _LOGS[p.pid].read_text(errors="replace")
 
 
 def _run_dir(tmp_path: Path, timeout: float = 120.0) -> Path:
@@ -72,7 +84,9 @@ def _wait_until(what, timeout: float, procs=()) -> None:
     deadline = time.monotonic() + timeout
     while not what():
         assert time.monotonic() < deadline, "timed out"
-        assert all(p.poll() is None for p in procs), "a rank ended early"
+        ended = [p for p in procs if p.poll() is not None]
+        assert not ended, "a rank ended early:\n" + "\n".join(
+            f"--- pid {p.pid} (exit {p.returncode}):\n{_log(p)[-4000:]}" for p in ended)
         time.sleep(0.1)
 
 
@@ -84,14 +98,24 @@ def _rank_up(run: Path, rank: int) -> bool:
 
 
 def _finish(procs, timeout: float) -> list[str]:
-    outs = []
+    """Each process's output once it has ended; a process still running after `timeout`
+    fails the test with every live rank's Python stacks (SIGUSR1: launch/__main__.py)."""
+    deadline = time.monotonic() + timeout
     try:
         for p in procs:
-            outs.append(p.communicate(timeout=timeout)[0])
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        live = [p for p in procs if p.poll() is None]
+        for p in live:
+            p.send_signal(signal.SIGUSR1)
+        time.sleep(2.0)
+        stacks = "\n".join(f"--- pid {p.pid}:\n{_log(p)[-6000:]}" for p in live)
+        raise AssertionError(f"ranks still running after {timeout:.0f} s:\n{stacks}") from None
     finally:
         for p in procs:
             p.kill()
-    return outs
+            p.wait()
+    return [_log(p) for p in procs]
 
 
 def test_an_engine_killed_in_start_up_stops_the_job_at_once(tmp_path, cache_dir):

@@ -8,7 +8,9 @@ ranks as the recipe's layout needs.
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import sys
 import time
 import traceback
@@ -112,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
             print(USAGE)
             return 2
     recipe, overrides = argv[0], argv[1:]
+    # `kill -USR1 <pid>` prints every thread's Python stack to stderr (the rank goes on): what
+    # a hung rank waits in (docs/operations.md)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     env, incarnation, tp_ranks = None, "", []
     release_cores_promptly()  # before torch is imported: the OpenMP runtime reads it once
     cap_primitive_cache()  # before the first bfloat16 matmul: oneDNN reads it once
