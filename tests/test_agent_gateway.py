@@ -183,7 +183,8 @@ def _engine_chain(live, episode: int, calls: list[int]) -> list[int]:
 
 def test_trained_tokens_are_the_engines_sampled_tokens(live):
     """Episode ids follow the groups (2 episodes each): chat_tools 0-1, edits_history 2-3,
-    no_model 4-5, fifty_calls 6-7, two_choices 8-9, malformed 10-11, stops 12-13."""
+    no_model 4-5, fifty_calls 6-7, two_choices 8-9, malformed 10-11, stops 12-13,
+    null_content 14-15."""
     for e in (0, 1):  # two chat calls with tools, the second spliced: one sequence
         assert live["chat_tools"]["sampled"][e] == _engine_chain(live, e, [0, 1])
     assert live["chat_tools"]["turns"] == [2, 2]
@@ -228,6 +229,16 @@ def test_stop_strings_cut_the_text_and_keep_the_engines_tokens(live):
     for e in (12, 13):
         assert live["stops"]["sampled"][e - 12] == _engine_chain(live, e, [0, 1])
     assert live["stops"]["rewards"] == [1.0, 1.0]  # no stop string in the returned text
+
+
+def test_a_history_whose_assistant_turns_carry_null_content_trains(live):
+    """tests/user_agents.py:null_content: a few-shot assistant turn with content null and
+    tool calls, and replies sent back with their null fields; both calls answered, spliced
+    into one trained sequence."""
+    got = live["null_content"]
+    assert got["rewards"] == [1.0, 1.0] and got["turns"] == [2, 2], got
+    for e in (14, 15):
+        assert got["sampled"][e - 14] == _engine_chain(live, e, [0, 1])
 
 
 def test_failing_agents_fail_their_episode_never_the_run(live):
@@ -279,3 +290,54 @@ def test_agent_recipe_trains_through_the_launcher(tmp_path, cache_dir):
         assert row["prefix_breaks"] == 0 and 0 < row["masked_response_share"] < 1
         assert sum(v for k, v in row.items() if k.startswith("episodes_")) == 16 * 8
     assert any(row["agent_tool_calls"] > 0 for row in rows)
+
+
+def test_null_or_missing_content_renders_as_the_model_saw_it_in_smollm2s_template(
+        smollm2_cache, monkeypatch):
+    """SmolLM2's template concatenates content (None raised TypeError: every request with
+    an assistant turn of content null and tool calls was refused) and has no tool support:
+    the calls are written into the turn as the model writes them (hermes), or as it sampled
+    them where the episode recorded that turn."""
+    from transformers import AutoTokenizer
+
+    from llamarl.models import smollm2
+
+    monkeypatch.setenv("LLAMARL_CACHE", smollm2_cache)
+    tok = AutoTokenizer.from_pretrained(smollm2.model_dir("135m-instruct"))
+    renderer = Renderer(tok, "hermes")
+    assert not renderer.renders_tool_calls
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "calculate", "arguments": '{"expression": "12*34"}'}}
+    history = _messages([{"role": "system", "content": "S"},
+                         {"role": "user", "content": "12*34?"},
+                         {"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "408"},
+                         {"role": "assistant", "tool_calls": [call]},  # content missing
+                         {"role": "tool", "tool_call_id": "c1", "content": "408"},
+                         {"role": "user", "content": "56*78?"}])
+    cap = EpisodeCapture(renderer)
+    written = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "12*34"}}\n' \
+              '</tool_call>'
+    expected = ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n12*34?<|im_end|>\n"
+                f"<|im_start|>assistant\n{written}<|im_end|>\n"
+                "<|im_start|>tool\n408<|im_end|>\n"
+                f"<|im_start|>assistant\n{written}<|im_end|>\n"
+                "<|im_start|>tool\n408<|im_end|>\n"
+                "<|im_start|>user\n56*78?<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.decode(cap.chat_prompt(history, None)) == expected
+    assert history[2]["content"] is None  # (the request's messages are not changed)
+    # a turn the engine sampled in this episode, sent back in a history that cannot be
+    # spliced (its first message edited): rendered with the sampled text
+    sampled = '<tool_call>{"name":"calculate","arguments":{"expression":"12*34"}}</tool_call>'
+    first = history[:2]
+    ids = cap.chat_prompt(first, None)
+    c = _completion(tok, sampled)
+    reply = {"role": "assistant", "content": None, "tool_calls": [
+        {"function": {"name": "calculate", "arguments": {"expression": "12*34"}}}]}
+    cap.record(ids, [c], [reply], messages=first)
+    edited = [{"role": "system", "content": "S2"}, *history[1:4]]
+    text = tok.decode(cap.chat_prompt(edited, None))
+    assert f"<|im_start|>assistant\n{sampled}<|im_end|>\n<|im_start|>tool\n408" in text
+    # a template printing content with {{ }} (the tests' Qwen-like one) showed None as "None"
+    qwen = Renderer(chat_tokenizer(), "hermes")
+    assert "None" not in chat_tokenizer().decode(qwen.chat(history, None))

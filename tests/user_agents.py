@@ -155,9 +155,26 @@ def malformed(client, row):
             "metrics": {f"status_{k}": float(v) for k, v in statuses.items()}}
 
 
+def null_content(client, row):
+    """A history as most frameworks send it: a few-shot example's assistant turn with
+    `"content": null` beside its tool call, and each reply appended as the SDK returns it
+    (model_dump() without exclude_none: its null fields included). The first call renders the
+    example through the template (nothing to splice); the second is spliced onto it. (Short:
+    the test engine's context is 128 characters.)"""
+    call = {"id": "e", "type": "function", "function": {"name": "t", "arguments": "{}"}}
+    messages = [{"role": "user", "content": "R?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "user", "content": "?"}]
+    for _ in range(2):
+        out = client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+        messages.append(out.choices[0].message.model_dump())
+        messages.append({"role": "user", "content": "?"})
+    return 1.0
+
+
 AGENTS = {f.__name__: f for f in (chat_tools, edits_history, no_model, fifty_calls,
                                   two_choices, hangs, raises, not_a_number, exits, malformed,
-                                  stops)}
+                                  stops, null_content)}
 
 
 def scenario(client, row):

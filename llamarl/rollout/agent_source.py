@@ -70,7 +70,7 @@ class AgentSource(RolloutSource):
         super().__init__(ctx)
         ro, g = ctx.cfg.rollout, ctx.cfg.generator
         self.parser = tool_parser(ro.tool_parser, ctx.tokenizer)
-        self.renderer = Renderer(ctx.tokenizer)
+        self.renderer = Renderer(ctx.tokenizer, ro.tool_parser)
         self.gateway = Gateway(MODEL_NAME, g.temperature, ro.gateway_host, ro.gateway_port)
         self.gateway.start()
         try:

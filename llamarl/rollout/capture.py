@@ -63,17 +63,72 @@ def message_key(m: dict) -> tuple:
     return (m["role"], m.get("content") or "", calls, m.get("tool_call_id"), m.get("name"))
 
 
-class Renderer:
-    """Messages and text to prompt ids with `tokenizer` (the engine's)."""
+_PROBE_TOOL = "llamarl_probe_tool"
 
-    def __init__(self, tokenizer):
+
+def tool_calls_text(calls: list[dict], tool_format: str) -> str:
+    """Tool calls written as the model writes them (the inverse of rollout.tool_parser):
+    hermes `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` per call; for other
+    parsers the calls as one JSON list of {"name", "arguments"} (llama3_json's and mistral's
+    body)."""
+    objs = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+            for c in calls]
+    if tool_format == "hermes":
+        return "".join(f"<tool_call>\n{json.dumps(o)}\n</tool_call>" for o in objs)
+    return json.dumps(objs)
+
+
+class Renderer:
+    """Messages and text to prompt ids with `tokenizer` (the engine's).
+
+    Messages are rendered as the model saw them (`as_seen`): a null or missing content is
+    the empty string (templates that concatenate content fail on None: SmolLM2's); and where
+    the template does not render an assistant message's `tool_calls` (SmolLM2's has no tool
+    support; Qwen's does), the calls are written into its content, as the model sampled them:
+    that turn's sampled text where the episode recorded it (`sampled`), else in the format of
+    `tool_format` (rollout.tool_parser)."""
+
+    def __init__(self, tokenizer, tool_format: str = "hermes"):
         self.tokenizer = tokenizer
+        self.tool_format = tool_format
         self.glue = ContextEncoder(tokenizer, None).glue_text
         self.eos = tokenizer.eos_token_id
+        self.renders_tool_calls = self._renders_tool_calls()
 
-    def chat(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                  add_generation_prompt=True)
+    def _renders_tool_calls(self) -> bool:
+        """Whether the chat template writes an assistant message's tool_calls (a probe call's
+        name appears in the rendering)."""
+        probe = [{"role": "user", "content": "u"},
+                 {"role": "assistant", "content": "", "tool_calls": [
+                     {"id": "c0", "type": "function",
+                      "function": {"name": _PROBE_TOOL, "arguments": {}}}]}]
+        try:
+            text = self.tokenizer.apply_chat_template(probe, tokenize=False)
+        except Exception:  # noqa: BLE001 - a template that refuses tool calls renders none
+            return False
+        return _PROBE_TOOL in text
+
+    def as_seen(self, messages: list[dict], sampled: dict | None = None) -> list[dict]:
+        """`messages` ready for the template (new dicts; the request's are not changed).
+        `sampled`: message_key -> the text the engine sampled for that reply."""
+        out = []
+        for m in messages:
+            m = dict(m)
+            calls = m.get("tool_calls")
+            if m.get("content") is None:
+                m["content"] = ""
+            if m["role"] == "assistant" and calls and not self.renders_tool_calls:
+                text = (sampled or {}).get(message_key(m))
+                m["content"] = text if text is not None else \
+                    m["content"] + tool_calls_text(calls, self.tool_format)
+                del m["tool_calls"]
+            out.append(m)
+        return out
+
+    def chat(self, messages: list[dict], tools: list[dict] | None,
+             sampled: dict | None = None) -> list[int]:
+        text = self.tokenizer.apply_chat_template(self.as_seen(messages, sampled), tools=tools,
+                                                  tokenize=False, add_generation_prompt=True)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def text(self, text: str, first: bool) -> list[int]:
@@ -84,7 +139,7 @@ class Renderer:
     def continuation(self, messages: list[dict], after: _Turn) -> list[int]:
         ended_eos = bool(after.completion.token_ids) and \
             after.completion.token_ids[-1] == self.eos
-        return self.tokenizer(self.glue(messages, ended_eos),
+        return self.tokenizer(self.glue(self.as_seen(messages), ended_eos),
                               add_special_tokens=False)["input_ids"]
 
 
@@ -108,7 +163,9 @@ class EpisodeCapture:
                         and len(keys) >= k and keys[:k] == t.chat_key:
                     self.spliced += 1
                     return t.ids + self.r.continuation(messages[k:], t)
-        return self.r.chat(messages, tools)
+        sampled = {t.chat_key[-1]: t.completion.text for call in self.turns for t in call
+                   if t.chat_key is not None}
+        return self.r.chat(messages, tools, sampled)
 
     def text_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
