@@ -46,6 +46,10 @@ class RunConfig:
     checkpoint_every: int = 50
     keep_checkpoints: int = 2  # newest complete checkpoints kept
     resume: str = ""  # "" = new run; "auto" = newest checkpoint of runs named run.name; or a path
+    # A step whose episodes sampled no token (every model call refused, an agent that never
+    # calls the model) trains on nothing: each is warned about, and this many in a row stop the
+    # run with the reason (trainer/step_row.py). 0 = never stop.
+    max_empty_steps: int = 3
 
 
 @dataclass
@@ -513,6 +517,7 @@ def validate(cfg: Config) -> Config:
     for key, value in {"run.eval_every": cfg.run.eval_every,
                        "run.checkpoint_every": cfg.run.checkpoint_every,
                        "run.keep_checkpoints": cfg.run.keep_checkpoints,
+                       "run.max_empty_steps": cfg.run.max_empty_steps,
                        "run.samples_per_step": cfg.run.samples_per_step,
                        "trainer.warmup_steps":
                        cfg.trainer.warmup_steps, "sync.max_staleness": cfg.sync.max_staleness,

@@ -341,3 +341,35 @@ def test_null_or_missing_content_renders_as_the_model_saw_it_in_smollm2s_templat
     # a template printing content with {{ }} (the tests' Qwen-like one) showed None as "None"
     qwen = Renderer(chat_tokenizer(), "hermes")
     assert "None" not in chat_tokenizer().decode(qwen.chat(history, None))
+
+
+def test_a_run_whose_every_request_is_refused_stops_with_the_reason(tmp_path, cache_dir):
+    """tests/user_agents.py:all_refused through the launcher: each step's episodes sample
+    nothing; metrics.jsonl counts the gateway's 4xx answers with their reason, each such step
+    is warned about, and run.max_empty_steps of them in a row stop the run with one line
+    (before: it trained on nothing for all its steps and exited 0)."""
+    from conftest import ROOT
+
+    cmd = [sys.executable, "-m", "llamarl.launch", "recipes/tiny_agent_cpu.yaml",
+           "rollout.agent=user_agents:all_refused", "trainer.ranks=1", "run.steps=6",
+           "run.max_empty_steps=2", "run.eval_every=0", "data.eval_prompts=4",
+           "data.eval_samples_per_prompt=1", "generator.prompts_per_step=4",
+           "generator.samples_per_prompt=2", "rollout.threads_per_worker=8",
+           f"run.output_dir={tmp_path}"]
+    from conftest import child_env
+
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=child_env(LLAMARL_CACHE=cache_dir,
+                                        PYTHONPATH=str(ROOT / "tests")))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    reason = "400_invalid_value_temperature"
+    assert (f"2 steps in a row sampled no token; the gateway refused 8 requests, most of them "
+            f"{reason}") in out, out[-3000:]
+    assert "warning: step 1: its episodes sampled no token" in out, out[-3000:]
+    assert f"the gateway answered {reason}: temperature: 0.3" in out, out[-3000:]
+    run = next(p for p in tmp_path.iterdir() if p.is_dir())
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["tokens_generated"], r["gateway_4xx"], r["gateway_4xx_reason"])
+            for r in rows] == [(1, 0, 8, reason), (2, 0, 8, reason)]

@@ -172,6 +172,17 @@ def null_content(client, row):
     return 1.0
 
 
+def all_refused(client, row):
+    """Every request refused (a temperature the gateway does not serve), caught as agents
+    catch a BadRequestError: episodes that sample nothing, no agent error."""
+    try:
+        client.chat.completions.create(model="policy", temperature=0.3,
+                                       messages=[{"role": "user", "content": "hi"}])
+    except openai.BadRequestError:
+        pass
+    return 0.0
+
+
 AGENTS = {f.__name__: f for f in (chat_tools, edits_history, no_model, fifty_calls,
                                   two_choices, hangs, raises, not_a_number, exits, malformed,
                                   stops, null_content)}

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import queue
+import re
 import secrets
 import socket
 import threading
@@ -70,6 +71,10 @@ class Gateway:
         self._closing = False
         self.requests = 0  # HTTP requests answered, refusals included
         self.refused = 0
+        # 4xx answers by reason (refusal_reason) since the generator's loop last took them
+        # (take_refusals), and the message of each reason's first answer
+        self._refusals: dict[str, int] = {}
+        self.reason_messages: dict[str, str] = {}
 
     @property
     def base_url(self) -> str:
@@ -104,6 +109,24 @@ class Gateway:
                                code="episode_ended", type_="permission_error")
         return eid
 
+    # -- refusals --------------------------------------------------------------------------
+    def _count(self, status: int, body: dict) -> None:
+        """Count a 4xx answer by its reason (a 5xx is the gateway's, not the request's)."""
+        self.refused += 1
+        if not 400 <= status < 500:
+            return
+        error = body.get("error") or {}
+        reason = refusal_reason(status, error)
+        with self._lock:
+            self._refusals[reason] = self._refusals.get(reason, 0) + 1
+            self.reason_messages.setdefault(reason, str(error.get("message", "")))
+
+    def take_refusals(self) -> dict[str, int]:
+        """The 4xx answers by reason since the last call (the generator's loop, per step)."""
+        with self._lock:
+            out, self._refusals = self._refusals, {}
+        return out
+
     # -- the server ------------------------------------------------------------------------
     def _app(self):
         from fastapi import FastAPI
@@ -114,21 +137,23 @@ class Gateway:
         app = FastAPI(title="llamarl gateway", docs_url=None, redoc_url=None,
                       openapi_url=None)
 
+        def answer(body: dict, status: int) -> JSONResponse:
+            if status != 200:
+                self._count(status, body)
+            return JSONResponse(body, status_code=status)
+
         def refuse(e: GatewayError) -> JSONResponse:
-            self.refused += 1
-            return JSONResponse(e.body(), status_code=e.status)
+            return answer(e.body(), e.status)
 
         @app.exception_handler(HTTPException)
         async def http_error(request, exc):  # unknown routes, wrong methods
-            self.refused += 1
-            return JSONResponse(error_body(str(exc.detail), "invalid_request_error"),
-                                status_code=exc.status_code)
+            return answer(error_body(str(exc.detail), "invalid_request_error",
+                                     code="unknown_route" if exc.status_code == 404 else None),
+                          exc.status_code)
 
         @app.exception_handler(RequestValidationError)
         async def invalid(request, exc):
-            self.refused += 1
-            return JSONResponse(error_body(str(exc), "invalid_request_error"),
-                                status_code=400)
+            return answer(error_body(str(exc), "invalid_request_error"), 400)
 
         @app.exception_handler(Exception)
         async def internal_error(request, exc):  # a bug of ours: the request fails alone
@@ -166,9 +191,7 @@ class Gateway:
             finally:
                 with self._lock:
                     self._waiting.discard(future)
-            if status != 200:
-                self.refused += 1
-            return JSONResponse(out, status_code=status)
+            return answer(out, status)
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request):
@@ -231,6 +254,15 @@ class Gateway:
             except queue.Empty:
                 return
             resolve(call, 503, error_body("the gateway is shutting down", "server_error"))
+
+
+def refusal_reason(status: int, error: dict) -> str:
+    """A 4xx answer's reason as a metric name: status, code (or type), and the parameter
+    named, e.g. 400_invalid_prompt, 400_invalid_value_temperature, 401_invalid_api_key."""
+    parts = [str(status), error.get("code") or error.get("type") or "error"]
+    if error.get("param"):
+        parts.append(str(error["param"]))
+    return re.sub(r"[^A-Za-z0-9_.\[\]]+", "_", "_".join(parts))
 
 
 def resolve(call: GatewayCall, status: int, body: dict) -> None:

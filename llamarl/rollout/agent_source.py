@@ -22,6 +22,7 @@ stops with the first error.
 from __future__ import annotations
 
 import queue
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -80,6 +81,7 @@ class AgentSource(RolloutSource):
             self.gateway.close()
             raise
         self.next_episode = 0  # (episodes.EpisodeSource)
+        self.said_reasons: set[str] = set()  # 4xx reasons said in the log (count_refusals)
 
     def close(self) -> None:
         self.pool.close()
@@ -94,6 +96,7 @@ class AgentSource(RolloutSource):
         t_start = time.perf_counter()
         runner = AgentRunner(self, temperature)
         groups = runner.run_episodes(prompts, n, seed, version, first)
+        runner.count_refusals()  # (those answered since its last look)
         m = runner.metrics
         if m["episodes"] and m["agent_errors"] + m["agent_timeouts"] == m["episodes"]:
             raise RuntimeError(f"rollout.agent {self.ctx.cfg.rollout.agent!r}: every episode "
@@ -140,6 +143,7 @@ class AgentRunner(EpisodeRunner):
 
     # -- gateway calls ---------------------------------------------------------------------
     def _intake(self) -> bool:
+        self.count_refusals()
         took = False
         while True:  # the calls that arrived
             try:
@@ -148,6 +152,20 @@ class AgentRunner(EpisodeRunner):
                 return took
             self._take(call)
             took = True
+
+    def count_refusals(self) -> None:
+        """The gateway's 4xx answers since the last look, as gateway_4xx/<reason> counts
+        (episode_metrics.agent_metrics: the row's gateway_4xx and its most common reason); a
+        reason's first answer is said once per process, with its message."""
+        gateway = self.source.gateway
+        for reason, n in gateway.take_refusals().items():
+            key = f"gateway_4xx/{reason}"
+            self.metrics[key] = self.metrics.get(key, 0.0) + n
+            if reason not in self.source.said_reasons:
+                self.source.said_reasons.add(reason)
+                print(f"llamarl: generator {self.source.ctx.engine_index}: the gateway "
+                      f"answered {reason}: {gateway.reason_messages.get(reason, '')[:300]} "
+                      "(counted in metrics.jsonl: gateway_4xx)", file=sys.stderr, flush=True)
 
     def _take(self, call: GatewayCall) -> None:
         ep = self.episodes.get(call.episode)

@@ -36,15 +36,25 @@ def episode_metrics(parts: list[dict]) -> dict:
 def agent_metrics(parts: list[dict]) -> dict:
     """rollout.source = agent: the episode metrics, then model calls per episode, prefix
     breaks, calls spliced onto sampled ids, sampled tokens left out of the trained sequence,
-    failed episodes, refused calls, and the mean of each metric the agent returned
-    (agent_<name>)."""
+    failed episodes, refused calls, the gateway's 4xx answers and their most common reason
+    (gateway_4xx, gateway_4xx_reason: e.g. 400_invalid_prompt), and the mean of each metric
+    the agent returned (agent_<name>)."""
     row = episode_metrics(parts)
     parts = [p for p in parts if "episodes" in p]
     if not parts or "model_calls" not in parts[0]:
         return row
     tot = {k: sum(p.get(k, 0.0) for p in parts) for k in parts[0]}
     episodes = max(tot["episodes"], 1.0)
+    # the gateway's 4xx answers by reason (AgentRunner.count_refusals), over every engine
+    refusals: dict[str, float] = {}
+    for p in parts:
+        for k, v in p.items():
+            if k.startswith("gateway_4xx/"):
+                refusals[k.removeprefix("gateway_4xx/")] = \
+                    refusals.get(k.removeprefix("gateway_4xx/"), 0.0) + v
     return {**row,
+            "gateway_4xx": int(sum(refusals.values())),
+            "gateway_4xx_reason": max(refusals, key=refusals.get) if refusals else "",
             "model_calls_per_episode": tot["model_calls"] / episodes,
             "prefix_breaks": int(tot["prefix_breaks"]),
             "spliced_calls": int(tot["spliced_calls"]),

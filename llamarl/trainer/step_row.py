@@ -65,6 +65,7 @@ class StepRows:
         self.source = source_class(rt.cfg.rollout.source)
         self.roster = (Roster(rt.store, rt.layout.engines)
                        if plan_for(rt).survives_engine_loss else None)
+        self.empty_steps = 0  # steps in a row whose episodes sampled no token
 
     def write(self, rec: StepRecord, timer: StepTimer, last: bool) -> None:
         row = self.row(rec, timer)
@@ -74,6 +75,31 @@ class StepRows:
         alarm = self.mismatch.check(row)
         if alarm is not None:
             log(self.rt, alarm)
+        # (a sample with no sampled token has no version: it is dropped as stale)
+        self._check_sampled(row, rec.stats["n_seqs"] + rec.stats["dropped"])
+
+    def _check_sampled(self, row: dict, sequences: float) -> None:
+        """A step whose `sequences` (its samples, stale ones included) sampled no token trained
+        on nothing: say so, with the gateway's most common refusal; run.max_empty_steps of
+        them in a row stop the run (ValueError: one line, every rank stops)."""
+        if row["tokens_generated"] > 0 or sequences == 0:
+            self.empty_steps = 0
+            return
+        self.empty_steps += 1
+        why = ""
+        if row.get("gateway_4xx"):
+            why = (f"; the gateway refused {row['gateway_4xx']} requests, most of them "
+                   f"{row['gateway_4xx_reason']} (the generator's log says why)")
+        elif row.get("agent_errors") or row.get("env_errors"):
+            why = (f"; {row.get('agent_errors', 0) + row.get('env_errors', 0)} episodes "
+                   "failed")
+        limit = self.rt.cfg.run.max_empty_steps
+        if limit and self.empty_steps >= limit:
+            raise ValueError(f"{self.empty_steps} steps in a row sampled no token{why}: the "
+                             "run trains on nothing; fix that and launch again "
+                             f"(run.max_empty_steps = {limit}; 0 never stops)")
+        log(self.rt, f"warning: step {row['step']}: its episodes sampled no token, the step "
+                     f"trained on nothing{why}")
 
     def row(self, rec: StepRecord, timer: StepTimer) -> dict:
         """The step's row (closes the timer's period: call it once per step)."""
