@@ -56,6 +56,50 @@ def test_chat_requests_outside_the_training_sampler_or_malformed_are_refused(bod
     assert set(e.body()["error"]) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.parametrize("body, status, param", [
+    ({"token_ids": [1], "model": "gpt-9", "sampling_params": {}}, 404, "model"),
+    ({"token_ids": [1]}, 400, "sampling_params"),
+    ({"token_ids": [], "sampling_params": {}}, 400, "token_ids"),
+    ({"token_ids": [1, -2], "sampling_params": {}}, 400, "token_ids"),
+    ({"token_ids": [1], "stream": True, "sampling_params": {}}, 400, "stream"),
+    ({"token_ids": [1], "sampling_params": {"temperature": 0.7}}, 400,
+     "sampling_params.temperature"),
+    ({"token_ids": [1], "sampling_params": {"top_p": 5}}, 400, "sampling_params.top_p"),
+    ({"token_ids": [1], "sampling_params": {"top_p": 0.5}}, 400, "sampling_params.top_p"),
+    ({"token_ids": [1], "sampling_params": {"top_k": 5}}, 400, "sampling_params.top_k"),
+    ({"token_ids": [1], "sampling_params": {"min_tokens": 2}}, 400,
+     "sampling_params.min_tokens"),
+    ({"token_ids": [1], "sampling_params": {"repetition_penalty": 1.2}}, 400,
+     "sampling_params.repetition_penalty"),
+    ({"token_ids": [1], "sampling_params": {"stop_token_ids": [3]}}, 400,
+     "sampling_params.stop_token_ids"),
+    ({"token_ids": [1], "sampling_params": {"logprobs": 5}}, 400, "sampling_params.logprobs"),
+    ({"token_ids": [1], "sampling_params": {"n": 17}}, 400, "sampling_params.n"),
+])
+def test_token_endpoint_requests_outside_the_training_sampler_or_malformed_are_refused(
+        body, status, param):
+    from llamarl.gateway.requests import generate_request
+
+    e = _refused(generate_request, body, "policy", 1.0)
+    assert (e.status, e.param) == (status, param), e.message
+
+
+def test_token_endpoint_requests_in_the_training_sampler_are_accepted():
+    from llamarl.gateway.requests import generate_request
+
+    req = generate_request({"token_ids": [4, 2], "model": "policy", "output_mode": "text",
+                            "request_id": "r1", "return_token_ids": True, "sampling_params": {
+                                "max_tokens": 3, "stop": ["x"], "logprobs": 0, "seed": 3,
+                                "n": 2, "temperature": 0.5}}, "policy", 0.5)
+    assert (req.token_ids, req.text, req.request_id, req.return_token_ids) == \
+        ([4, 2], True, "r1", True)
+    assert (req.sampling.n, req.sampling.max_tokens, req.sampling.stop,
+            req.sampling.logprobs) == (2, 3, ["x"], True)
+    # left out: the engine's own budget and the training temperature, not vLLM's defaults
+    req = generate_request({"token_ids": [4], "sampling_params": {}}, "policy", 0.5)
+    assert (req.sampling.max_tokens, req.sampling.logprobs, req.text) == (None, False, False)
+
+
 def test_requests_in_the_training_sampler_are_accepted():
     req = chat_request({"model": "policy", "messages": OK, "temperature": 1.0, "top_p": 1,
                         "max_tokens": 9, "max_completion_tokens": 5, "stop": "\n", "n": 2,
@@ -184,7 +228,7 @@ def _engine_chain(live, episode: int, calls: list[int]) -> list[int]:
 def test_trained_tokens_are_the_engines_sampled_tokens(live):
     """Episode ids follow the groups (2 episodes each): chat_tools 0-1, edits_history 2-3,
     no_model 4-5, fifty_calls 6-7, two_choices 8-9, malformed 10-11, stops 12-13,
-    null_content 14-15."""
+    null_content 14-15, generate_tokens 16-17."""
     for e in (0, 1):  # two chat calls with tools, the second spliced: one sequence
         assert live["chat_tools"]["sampled"][e] == _engine_chain(live, e, [0, 1])
     assert live["chat_tools"]["turns"] == [2, 2]
@@ -229,6 +273,20 @@ def test_stop_strings_cut_the_text_and_keep_the_engines_tokens(live):
     for e in (12, 13):
         assert live["stops"]["sampled"][e - 12] == _engine_chain(live, e, [0, 1])
     assert live["stops"]["rewards"] == [1.0, 1.0]  # no stop string in the returned text
+
+
+def test_the_token_endpoint_records_token_exact_and_refuses_what_it_cannot_serve(live):
+    """POST /inference/v1/generate (tests/user_agents.py:generate_tokens): ids in, ids and
+    logprobs out; the second call's ids extend the first's prompt + sampled ids, so the
+    episode trains one sequence of both, the engine's own ids; a top_p and an id outside the
+    vocabulary are 400s naming the field."""
+    got = live["generate_tokens"]
+    assert got["rewards"] == [1.0, 1.0] and got["turns"] == [2, 2], got
+    for e in (16, 17):
+        assert got["sampled"][e - 16] == _engine_chain(live, e, [0, 1])
+    m = live["metrics"]
+    assert m["agent_bad_top_p"] / 2 == 400 and m["agent_bad_id"] / 2 == 400
+    assert m["agent_bad_top_p_named"] == m["agent_bad_id_named"] == 2.0  # (both episodes)
 
 
 def test_a_history_whose_assistant_turns_carry_null_content_trains(live):

@@ -172,6 +172,31 @@ def null_content(client, row):
     return 1.0
 
 
+def generate_tokens(client, row):
+    """vLLM's token-in / token-out endpoint, raw over HTTP (what verifiers v1 speaks): a prompt
+    of ids, then the prompt + the ids sampled + new ids (one trained sequence); and two bad
+    requests, their statuses and params returned as metrics."""
+    root = str(client.base_url).rstrip("/").removesuffix("/v1")
+    auth = {"Authorization": f"Bearer {client.api_key}"}
+    with httpx.Client(trust_env=False, timeout=30) as http:
+        def generate(ids, **params):
+            body = {"token_ids": ids, "model": "policy",
+                    "sampling_params": {"max_tokens": 4, "logprobs": 0, **params}}
+            return http.post(root + "/inference/v1/generate", headers=auth, json=body)
+        first = generate([5, 6, 7]).json()["choices"][0]
+        ids = [5, 6, 7] + first["token_ids"] + [8, 9]
+        second = generate(ids).json()
+        bad_p = generate([5], top_p=0.5)
+        bad_id = generate([5, 10**6])
+    lps = [x["logprob"] for x in first["logprobs"]["content"]]
+    ok = (len(lps) == len(first["token_ids"]) == first["weight_versions"][0]["end"]
+          and second["usage"]["prompt_tokens"] == len(ids))
+    return {"reward": float(ok), "metrics": {
+        "bad_top_p": float(bad_p.status_code), "bad_id": float(bad_id.status_code),
+        "bad_top_p_named": float(bad_p.json()["error"]["param"] == "sampling_params.top_p"),
+        "bad_id_named": float(bad_id.json()["error"]["param"] == "token_ids")}}
+
+
 def all_refused(client, row):
     """Every request refused (a temperature the gateway does not serve), caught as agents
     catch a BadRequestError: episodes that sample nothing, no agent error."""
@@ -185,7 +210,7 @@ def all_refused(client, row):
 
 AGENTS = {f.__name__: f for f in (chat_tools, edits_history, no_model, fifty_calls,
                                   two_choices, hangs, raises, not_a_number, exits, malformed,
-                                  stops, null_content)}
+                                  stops, null_content, generate_tokens)}
 
 
 def scenario(client, row):

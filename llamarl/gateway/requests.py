@@ -66,6 +66,19 @@ class CompletionRequest:
     sampling: Sampling
 
 
+@dataclass
+class GenerateCall:
+    """POST /inference/v1/generate (vLLM's token-in / token-out endpoint): `token_ids` is the
+    prompt as given; `text`: output_mode "text" (decoded text and logprobs with token strings
+    beside the ids); `request_id`: echoed back."""
+
+    token_ids: list[int]
+    sampling: Sampling
+    text: bool
+    request_id: str
+    return_token_ids: bool
+
+
 def parse_json(raw: bytes) -> dict:
     try:
         body = json.loads(raw)
@@ -256,3 +269,68 @@ def completion_request(body: dict, model: str, temperature: float) -> Completion
     if body.get("suffix"):
         raise _bad("suffix", "not supported; leave it out")
     return CompletionRequest(prompt, sampling)
+
+
+# SamplingParams fields that change the sampled distribution (or what a sample is), with the
+# value the training sampler has: a request must leave them at it (see the module doc)
+_GENERATE_FIXED = {"top_p": 1.0, "top_k": (0, -1), "min_p": 0.0, "presence_penalty": 0.0,
+                   "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_tokens": 0,
+                   "ignore_eos": False, "logit_bias": (None, {}),
+                   "allowed_token_ids": (None, []), "bad_words": (None, []),
+                   "structured_outputs": None, "prompt_logprobs": None,
+                   "stop_token_ids": (None, []), "logprob_token_ids": None,
+                   "thinking_token_budget": None}
+
+
+def generate_request(body: dict, model: str, temperature: float) -> GenerateCall:
+    """vLLM 0.32's GenerateRequest (vllm/entrypoints/scale_out/token_in_token_out/protocol.py),
+    validated by vLLM's own class, then held to the training sampler: 400 naming the field
+    for anything else."""
+    from pydantic import ValidationError
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
+    from vllm.exceptions import VLLMValidationError
+
+    if body.get("model") is not None and body.get("model") != model:
+        raise GatewayError(404, f"The model {body.get('model')!r} does not exist: this "
+                           f"gateway serves {model!r} (GET /v1/models)", param="model",
+                           code="model_not_found")
+    if body.get("stream"):
+        raise _bad("stream", "streaming is not supported on /inference/v1/generate yet: "
+                   "leave it false")
+    if not isinstance(body.get("sampling_params"), dict):
+        raise _bad("sampling_params", "an object of vLLM SamplingParams fields is required "
+                   "(e.g. {\"max_tokens\": 64})")
+    try:
+        req = GenerateRequest.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"] if x != "is-instance[SamplingParams]")
+        raise _bad(where or "body", err["msg"]) from None
+    except (VLLMValidationError, ValueError) as e:  # SamplingParams' own checks
+        param = getattr(e, "parameter", None)
+        raise _bad(f"sampling_params.{param}" if param else "sampling_params",
+                   str(e).split(" (parameter=")[0]) from None
+    sp = req.sampling_params
+    if req.is_sampling_param_provided("temperature") and abs(sp.temperature - temperature) > 1e-6:
+        raise _bad("sampling_params.temperature", f"{sp.temperature!r}: the policy trains on "
+                   f"samples at generator.temperature = {temperature:g}; leave it out or set "
+                   "it to that")
+    for name, allowed in _GENERATE_FIXED.items():
+        value = getattr(sp, name, None)
+        ok = value in allowed if isinstance(allowed, tuple) else value == allowed
+        if not ok:
+            raise _bad(f"sampling_params.{name}", f"{value!r}: changes what the training "
+                       f"sampler samples; leave it out (the trainer could not reproduce the "
+                       "logprobs)")
+    if sp.logprobs not in (None, 0):
+        raise _bad("sampling_params.logprobs", f"{sp.logprobs!r}: only the sampled tokens' "
+                   "logprobs are served (0)")
+    if not 1 <= sp.n <= MAX_N:
+        raise _bad("sampling_params.n", f"{sp.n!r}: must be an integer in [1, {MAX_N}]")
+    if req.features is not None or req.content_parts:
+        raise _bad("features", "multimodal inputs are not served; send token_ids alone")
+    stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
+    max_tokens = sp.max_tokens if req.is_sampling_param_provided("max_tokens") else None
+    sampling = Sampling(sp.n, max_tokens, stop, sp.logprobs is not None)
+    return GenerateCall(list(req.token_ids), sampling, req.output_mode == "text",
+                        req.request_id, bool(req.return_token_ids))

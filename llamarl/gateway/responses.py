@@ -128,3 +128,44 @@ def completion_response(req, prompt_ids, completions, tokenizer, model: str
             "created": int(time.time()), "model": model, "choices": choices,
             "usage": _usage(prompt_ids, completions)}
     return body, texts
+
+
+def generate_response(req, prompt_ids, completions, tokenizer, model: str, version: int
+                      ) -> dict:
+    """vLLM's GenerateTokensResponse (or GenerateTextResponse, output_mode "text") for the
+    engine's Completions: every sampled id (a stop string's included, as vLLM keeps them in
+    token_ids), the sampled tokens' logprobs when asked, the weight versions that sampled
+    them (`version` for a Completion without spans)."""
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
+        GenerateLogProbs,
+        GenerateLogProbsContent,
+        GenerateTextChoice,
+        GenerateTextResponse,
+        GenerateTokensChoice,
+        GenerateTokensResponse,
+    )
+    from vllm.outputs import WeightVersionSpan
+
+    choices = []
+    for i, c in enumerate(completions):
+        text, stopped = cut_at_stop(c.text, req.sampling.stop)
+        spans, at = [], 0
+        for n, v in (c.versions or [(len(c.token_ids), version)]):
+            spans.append(WeightVersionSpan(version=str(v), start=at, end=at + n))
+            at += n
+        common = {"index": i, "finish_reason": _finish(c, stopped),
+                  "stop_reason": next((s for s in req.sampling.stop if s in c.text), None),
+                  "token_ids": list(c.token_ids), "weight_versions": spans}
+        if req.text:
+            lps = {"content": _logprobs(tokenizer, c)} if req.sampling.logprobs else None
+            choices.append(GenerateTextChoice(**common, text=text, logprobs=lps))
+        else:
+            lps = GenerateLogProbs(content=[
+                GenerateLogProbsContent(token_id=t, logprob=lp, rank=None)
+                for t, lp in zip(c.token_ids, c.logprobs)]) if req.sampling.logprobs else None
+            choices.append(GenerateTokensChoice(**common, logprobs=lps))
+    cls = GenerateTextResponse if req.text else GenerateTokensResponse
+    body = cls(request_id=req.request_id, model=model, created=int(time.time()),
+               usage=_usage(prompt_ids, completions), choices=choices,
+               prompt_token_ids=list(prompt_ids) if req.return_token_ids else None)
+    return body.model_dump(mode="json")

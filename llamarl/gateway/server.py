@@ -1,6 +1,8 @@
 """The HTTP server: FastAPI on uvicorn, in a thread of the generator process.
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models      (non-streaming)
+    POST /inference/v1/generate (vLLM's token-in / token-out endpoint, at the server's root:
+                                 base_url without /v1)
 
 The server thread only parses and checks requests (requests.py) and authenticates them; it
 never touches vLLM. A checked request becomes a `GatewayCall` on a thread-safe queue, which
@@ -36,16 +38,21 @@ from llamarl.gateway.requests import (
     chat_request,
     completion_request,
     error_body,
+    generate_request,
     parse_json,
 )
+
+_CHECKS = {"chat": chat_request, "completion": completion_request,
+           "generate": generate_request}  # kind -> its request check
 
 START_TIMEOUT_S = 30.0
 
 
 @dataclass
 class GatewayCall:
-    """One checked request for the generator's loop: `kind` "chat" or "completion",
-    `request` its ChatRequest / CompletionRequest; `future` resolves to (status, body)."""
+    """One checked request for the generator's loop: `kind` "chat", "completion" or
+    "generate", `request` its ChatRequest / CompletionRequest / GenerateCall; `future`
+    resolves to (status, body)."""
 
     episode: int
     kind: str
@@ -175,8 +182,7 @@ class Gateway:
             try:
                 eid = self._authorize(request.headers.get("authorization"), episode=True)
                 body = parse_json(await request.body())
-                checked = (chat_request if kind == "chat" else completion_request)(
-                    body, self.model, self.temperature)
+                checked = _CHECKS[kind](body, self.model, self.temperature)
             except GatewayError as e:
                 return refuse(e)
             if self._closing:
@@ -200,6 +206,10 @@ class Gateway:
         @app.post("/v1/completions")
         async def completions(request: Request):
             return await serve(request, "completion")
+
+        @app.post("/inference/v1/generate")
+        async def generate(request: Request):
+            return await serve(request, "generate")
 
         return app
 

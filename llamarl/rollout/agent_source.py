@@ -28,7 +28,12 @@ from dataclasses import dataclass, field
 
 from llamarl.buffer.record import Sample
 from llamarl.gateway.requests import error_body
-from llamarl.gateway.responses import chat_response, completion_response, tool_parser
+from llamarl.gateway.responses import (
+    chat_response,
+    completion_response,
+    generate_response,
+    tool_parser,
+)
 from llamarl.gateway.server import Gateway, GatewayCall, resolve
 from llamarl.rollout.agent_worker import AgentPool
 from llamarl.rollout.capture import EpisodeCapture, Renderer
@@ -122,6 +127,7 @@ class AgentRunner(EpisodeRunner):
         self.first_error = ""
         g = source.ctx.cfg.generator
         self.max_new, self.max_len = g.max_new_tokens, g.max_model_len
+        self.vocab = len(source.ctx.tokenizer)  # ids at or past it are refused (token prompts)
 
     def _open(self, eid: int, key: int, prompt) -> _AgentEpisode:
         src = self.source
@@ -174,11 +180,19 @@ class AgentRunner(EpisodeRunner):
             return resolve(call, 403, error_body("this episode has ended", "permission_error",
                                                  code="episode_ended"))
         req = call.request
+        given = req.token_ids if call.kind == "generate" else getattr(req, "prompt", None)
+        if isinstance(given, list) and (bad := next((t for t in given if t >= self.vocab),
+                                                    None)) is not None:
+            self.metrics["refused_calls"] += 1
+            return resolve(call, 400, error_body(
+                f"token id {bad} is not in the model's vocabulary ({self.vocab} tokens)",
+                "invalid_request_error", "token_ids" if call.kind == "generate" else "prompt",
+                "invalid_value"))
         try:
             if call.kind == "chat":
                 ids = ep.capture.chat_prompt(req.messages, req.tools)
-            else:
-                ids = ep.capture.text_prompt(req.prompt)
+            else:  # completion text or ids; generate: ids as given (spliced, token-exact)
+                ids = ep.capture.text_prompt(given if call.kind == "generate" else req.prompt)
         except Exception as e:  # noqa: BLE001 - a template or tokenizer refusing the input
             self.metrics["refused_calls"] += 1
             return resolve(call, 400, error_body(
@@ -190,7 +204,8 @@ class AgentRunner(EpisodeRunner):
             return resolve(call, 400, error_body(
                 f"the prompt is {len(ids)} tokens; this engine's context is "
                 f"{self.max_len} (generator.max_model_len)", "invalid_request_error",
-                "messages" if call.kind == "chat" else "prompt", "context_length_exceeded"))
+                {"chat": "messages", "generate": "token_ids"}.get(call.kind, "prompt"),
+                "context_length_exceeded"))
         max_tokens = min(req.sampling.max_tokens or self.max_new, self.max_new, room)
         number, ep.calls = ep.calls, ep.calls + 1
         ep.running[number] = _Pending(call, ids, [None] * req.sampling.n)
@@ -206,9 +221,9 @@ class AgentRunner(EpisodeRunner):
             return
         p.done[int(i_s)] = c
         if all(d is not None for d in p.done):
-            self._answer(ep, int(number_s))
+            self._answer(ep, int(number_s), version)
 
-    def _answer(self, ep: _AgentEpisode, number: int) -> None:
+    def _answer(self, ep: _AgentEpisode, number: int, version: int) -> None:
         src = self.source
         p = ep.running.pop(number)
         req, tok = p.call.request, src.ctx.tokenizer
@@ -220,6 +235,9 @@ class AgentRunner(EpisodeRunner):
                                           MODEL_NAME)
             ep.capture.record(p.prompt_ids, p.done, replies, messages=req.messages,
                               tools=req.tools)
+        elif p.call.kind == "generate":
+            body = generate_response(req, p.prompt_ids, p.done, tok, MODEL_NAME, version)
+            ep.capture.record(p.prompt_ids, p.done, [None] * len(p.done))
         else:
             body, replies = completion_response(req, p.prompt_ids, p.done, tok, MODEL_NAME)
             ep.capture.record(p.prompt_ids, p.done, replies,
