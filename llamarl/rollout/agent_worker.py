@@ -109,6 +109,12 @@ def _worker_main(conn, agent: str, base_url: str, threads: int, timeout_s: float
     try:
         fn = resolve_agent(agent)
         import openai  # noqa: F401 - fail here, not in every episode
+    except ModuleNotFoundError as e:
+        extra = ": agents need the `agents` extra: pip install -e '.[agents]' (make installs " \
+            "it)" if e.name in ("openai", "agents") else ""
+        conn.send(("failed", f"importing rollout.agent {agent!r} raised "
+                   f"ModuleNotFoundError: {e}{extra}"))
+        return
     except BaseException as e:  # noqa: BLE001 - an import may raise anything
         conn.send(("failed", str(e) if isinstance(e, ValueError) else
                    f"importing rollout.agent {agent!r} raised {type(e).__name__}: {e}"))
