@@ -39,7 +39,9 @@ def _refused(fn, *args) -> GatewayError:
     ({"model": "policy", "messages": OK, "temperature": 0.7}, 400, "temperature"),
     ({"model": "policy", "messages": OK, "top_p": 0.9}, 400, "top_p"),
     ({"model": "policy", "messages": OK, "n": 0}, 400, "n"),
-    ({"model": "policy", "messages": OK, "stream": True}, 400, "stream"),
+    ({"model": "policy", "messages": OK, "stream": "yes"}, 400, "stream"),
+    ({"model": "policy", "messages": OK, "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),
     ({"model": "policy", "messages": OK, "tool_choice": "required"}, 400, "tool_choice"),
     ({"model": "policy", "messages": []}, 400, "messages"),
     ({"model": "policy", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0]"),
@@ -228,7 +230,7 @@ def _engine_chain(live, episode: int, calls: list[int]) -> list[int]:
 def test_trained_tokens_are_the_engines_sampled_tokens(live):
     """Episode ids follow the groups (2 episodes each): chat_tools 0-1, edits_history 2-3,
     no_model 4-5, fifty_calls 6-7, two_choices 8-9, malformed 10-11, stops 12-13,
-    null_content 14-15, generate_tokens 16-17."""
+    null_content 14-15, generate_tokens 16-17, streams 18-19."""
     for e in (0, 1):  # two chat calls with tools, the second spliced: one sequence
         assert live["chat_tools"]["sampled"][e] == _engine_chain(live, e, [0, 1])
     assert live["chat_tools"]["turns"] == [2, 2]
@@ -287,6 +289,19 @@ def test_the_token_endpoint_records_token_exact_and_refuses_what_it_cannot_serve
     m = live["metrics"]
     assert m["agent_bad_top_p"] / 2 == 400 and m["agent_bad_id"] / 2 == 400
     assert m["agent_bad_top_p_named"] == m["agent_bad_id_named"] == 2.0  # (both episodes)
+
+
+def test_streamed_calls_are_what_the_sdk_assembles_and_train_token_exact(live):
+    """stream=True through the openai SDK (tests/user_agents.py:streams): the deltas assemble
+    to the reply (content, finish reason, per-token logprobs, the usage chunk), sent back it
+    is spliced, and the episode trains on the engine's ids; a client that drops a stream
+    after one event ends only its own request (stream_dropped)."""
+    got = live["streams"]
+    assert got["rewards"] == [1.0, 1.0] and got["turns"] == [2, 2], got
+    for e in (18, 19):
+        assert got["sampled"][e - 18] == _engine_chain(live, e, [0, 1])
+    assert live["stream_dropped"]["rewards"] == [[1.0, 1.0]], live["stream_dropped"]
+    assert live["stream_dropped"]["metrics"]["agent_errors"] == 0
 
 
 def test_a_history_whose_assistant_turns_carry_null_content_trains(live):
@@ -431,3 +446,25 @@ def test_a_run_whose_every_request_is_refused_stops_with_the_reason(tmp_path, ca
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["tokens_generated"], r["gateway_4xx"], r["gateway_4xx_reason"])
             for r in rows] == [(1, 0, 8, reason), (2, 0, 8, reason)]
+
+
+def test_a_reply_with_tool_calls_streams_as_openai_chunks():
+    from llamarl.gateway.streaming import chat_chunks
+
+    body = {"id": "c1", "created": 7, "model": "policy", "usage": {"prompt_tokens": 3,
+            "completion_tokens": 2, "total_tokens": 5},
+            "choices": [{"index": 0, "finish_reason": "tool_calls", "logprobs": None,
+                         "message": {"role": "assistant", "content": "Hm. ", "tool_calls": [
+                             {"id": "call_9", "type": "function", "function": {
+                                 "name": "temperature", "arguments": '{"city": "Oslo"}'}}]}}]}
+    events = chat_chunks(body, include_usage=True)
+    assert events[-1] == "data: [DONE]\n\n"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert [c["object"] for c in chunks] == ["chat.completion.chunk"] * 5
+    deltas = [c["choices"][0]["delta"] for c in chunks[:4]]
+    assert deltas[:2] == [{"role": "assistant", "content": ""}, {"content": "Hm. "}]
+    assert deltas[2]["tool_calls"] == [{"index": 0, "id": "call_9", "type": "function",
+                                        "function": {"name": "temperature",
+                                                     "arguments": '{"city": "Oslo"}'}}]
+    assert chunks[3]["choices"][0]["finish_reason"] == "tool_calls"
+    assert chunks[4]["choices"] == [] and chunks[4]["usage"]["total_tokens"] == 5

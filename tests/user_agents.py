@@ -142,7 +142,7 @@ def malformed(client, row):
                                 headers={"Authorization": "Bearer sk-wrong"}),
             "temperature": post("/completions", {"model": "policy", "prompt": "x",
                                                  "temperature": 0.3}),
-            "stream": post("/completions", {"model": "policy", "prompt": "x", "stream": True}),
+            "stream": post("/completions", {"model": "policy", "prompt": "x", "stream": "yes"}),
             "unknown_route": http.get(url + "/nope", headers=auth).status_code,
         }
         models = http.get(url + "/models", headers=auth).json()
@@ -197,6 +197,42 @@ def generate_tokens(client, row):
         "bad_id_named": float(bad_id.json()["error"]["param"] == "token_ids")}}
 
 
+def streams(client, row):
+    """stream=True with the openai SDK: a chat call with tools, logprobs and the usage chunk,
+    its deltas assembled as the SDK's users do and sent back (spliced: one sequence); and a
+    completion stream."""
+    messages = [{"role": "user", "content": row["prompt"]}]
+    stream = client.chat.completions.create(
+        model="policy", messages=messages, tools=WEATHER, max_tokens=4, logprobs=True,
+        stream=True, stream_options={"include_usage": True})
+    content, finish, usage, tokens = "", None, None, 0
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            finish = c.finish_reason or finish
+            tokens += len(c.logprobs.content) if c.logprobs and c.logprobs.content else 0
+    messages += [{"role": "assistant", "content": content}, {"role": "user", "content": "?"}]
+    text = ""
+    for chunk in client.chat.completions.create(model="policy", messages=messages,
+                                                tools=WEATHER, max_tokens=4, stream=True):
+        text += "".join(c.delta.content or "" for c in chunk.choices)
+    ok = finish in ("stop", "length") and usage.completion_tokens == tokens >= 1
+    return {"reward": float(ok), "metrics": {"streamed_tokens": float(tokens)}}
+
+
+def stream_dropped(client, row):
+    """A client that reads one event of a stream and drops it: only its own request ends;
+    the next call is answered as usual."""
+    url, auth = str(client.base_url).rstrip("/"), {"Authorization": f"Bearer {client.api_key}"}
+    with httpx.Client(trust_env=False, timeout=30) as http:
+        with http.stream("POST", url + "/completions", headers=auth, json={
+                "model": "policy", "prompt": "abc", "max_tokens": 6, "stream": True}) as r:
+            first = next(r.iter_lines())
+    out = client.completions.create(model="policy", prompt="xyz", max_tokens=2)
+    return float(first.startswith("data: {") and out.choices[0].finish_reason is not None)
+
+
 def all_refused(client, row):
     """Every request refused (a temperature the gateway does not serve), caught as agents
     catch a BadRequestError: episodes that sample nothing, no agent error."""
@@ -210,7 +246,8 @@ def all_refused(client, row):
 
 AGENTS = {f.__name__: f for f in (chat_tools, edits_history, no_model, fifty_calls,
                                   two_choices, hangs, raises, not_a_number, exits, malformed,
-                                  stops, null_content, generate_tokens)}
+                                  stops, null_content, generate_tokens, streams,
+                                  stream_dropped)}
 
 
 def scenario(client, row):

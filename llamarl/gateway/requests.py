@@ -12,7 +12,8 @@ other than generator.temperature, top_p != 1, penalties, logit_bias, a forced to
 that would need constrained decoding, top_logprobs) is refused with a 400 naming the
 parameter, not served "off-policy": its tokens would train with logprobs the trainer
 cannot reproduce, silently. Parameters that do not change the distribution (seed, user,
-parallel_tool_calls, ...) are accepted and ignored; `stream` is refused (non-streaming only).
+parallel_tool_calls, ...) are accepted and ignored. `stream` is answered as server-sent
+events (streaming.py).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class Sampling:
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
     logprobs: bool = False
+    stream: bool = False  # answered as server-sent events (streaming.py)
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
 
 
 @dataclass
@@ -100,9 +103,12 @@ def _sampling(body: dict, model: str, temperature: float, chat: bool) -> Samplin
         raise GatewayError(404, f"The model {body.get('model')!r} does not exist: this "
                            f"gateway serves {model!r} (GET /v1/models)", param="model",
                            code="model_not_found")
-    if body.get("stream"):
-        raise _bad("stream", "streaming is not supported by the llamarl gateway: leave it "
-                   "false")
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise _bad("stream", f"{stream!r}: must be true or false")
+    options = body.get("stream_options")
+    if options is not None and not (stream and isinstance(options, dict)):
+        raise _bad("stream_options", "an object, and only with stream: true")
     t = body.get("temperature")
     if t is not None and (not isinstance(t, (int, float)) or abs(t - temperature) > 1e-6):
         raise _bad("temperature", f"{t!r}: the policy trains on samples at "
@@ -151,7 +157,8 @@ def _sampling(body: dict, model: str, temperature: float, chat: bool) -> Samplin
             raise _bad("logprobs", f"{lp!r}: only the sampled tokens' logprobs are served "
                        "(0 or 1)")
         logprobs = lp is not None
-    return Sampling(n, max_tokens, stop, logprobs)
+    return Sampling(n, max_tokens, stop, logprobs, stream,
+                    bool((options or {}).get("include_usage")))
 
 
 def _content(message: dict, i: int) -> str | None:

@@ -1,6 +1,7 @@
 """The HTTP server: FastAPI on uvicorn, in a thread of the generator process.
 
-    POST /v1/chat/completions   POST /v1/completions   GET /v1/models      (non-streaming)
+    POST /v1/chat/completions   POST /v1/completions   GET /v1/models
+                                 ("stream": true: server-sent events, streaming.py)
     POST /inference/v1/generate (vLLM's token-in / token-out endpoint, at the server's root:
                                  base_url without /v1)
 
@@ -41,6 +42,7 @@ from llamarl.gateway.requests import (
     generate_request,
     parse_json,
 )
+from llamarl.gateway.streaming import chat_chunks, completion_chunks
 
 _CHECKS = {"chat": chat_request, "completion": completion_request,
            "generate": generate_request}  # kind -> its request check
@@ -138,7 +140,7 @@ class Gateway:
     def _app(self):
         from fastapi import FastAPI
         from fastapi.exceptions import RequestValidationError
-        from fastapi.responses import JSONResponse
+        from fastapi.responses import JSONResponse, StreamingResponse
         from starlette.exceptions import HTTPException
 
         app = FastAPI(title="llamarl gateway", docs_url=None, redoc_url=None,
@@ -197,6 +199,10 @@ class Gateway:
             finally:
                 with self._lock:
                     self._waiting.discard(future)
+            if status == 200 and getattr(checked.sampling, "stream", False):
+                events = (chat_chunks if kind == "chat" else completion_chunks)(
+                    out, checked.sampling.include_usage)
+                return StreamingResponse(iter(events), media_type="text/event-stream")
             return answer(out, status)
 
         @app.post("/v1/chat/completions")

@@ -53,7 +53,7 @@ def main() -> None:
                 for i, k in enumerate(kinds)]
 
     kinds = ["chat_tools", "edits_history", "no_model", "fifty_calls", "two_choices",
-             "malformed", "stops", "null_content", "generate_tokens"]
+             "malformed", "stops", "null_content", "generate_tokens", "streams"]
     source = build_source(SourceContext(cfg, engine, tok, fmt, None, 0))
     try:
         got = source.collect(prompts(kinds), 2, 1.0, 1234, version=3, step=0)
@@ -105,6 +105,7 @@ def main() -> None:
     for agent, key, kinds, n, extra in (
             *doc, *sdk,
             ("user_agents:async_agent", "async", ["x", "y"], 2, []),
+            ("user_agents:stream_dropped", "stream_dropped", ["x"], 2, []),
             ("user_agents:scenario", "failing", failing, 1, ["rollout.workers=5",
                                                  "rollout.agent_timeout_s=2"]),
             ("user_agents:raises", "all_fail", ["x"], 2, ["rollout.workers=1"])):
