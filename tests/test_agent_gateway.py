@@ -86,6 +86,53 @@ def test_token_endpoint_requests_outside_the_training_sampler_or_malformed_are_r
     assert (e.status, e.param) == (status, param), e.message
 
 
+ANTHROPIC_OK = {"model": "policy", "max_tokens": 8, "messages": [{"role": "user",
+                                                                 "content": "hi"}]}
+
+
+@pytest.mark.parametrize("extra, status, param", [
+    ({"model": "claude-9"}, 404, "model"),
+    ({"max_tokens": None}, 400, "max_tokens"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+    ({"temperature": 0.2}, 400, "temperature"),
+    ({"top_k": 5}, 400, "top_k"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 2048}, "max_tokens": 4096}, 400,
+     "thinking"),
+    ({"tools": [{"name": "f", "input_schema": {"type": "nonsense"}}]}, 400,
+     "tools[0].function.parameters"),
+])
+def test_messages_requests_outside_the_training_sampler_or_malformed_are_refused(
+        extra, status, param):
+    from llamarl.gateway.messages import messages_request
+
+    body = {k: v for k, v in {**ANTHROPIC_OK, **extra}.items() if v is not None}
+    e = _refused(messages_request, body, "policy", 1.0)
+    assert (e.status, e.param) == (status, param), e.message
+
+
+def test_a_messages_request_is_the_chat_request_of_its_blocks():
+    """system, text, tool_use and tool_result blocks as the chat messages the template sees
+    (vLLM's converter), the tool as a function."""
+    from llamarl.gateway.messages import messages_request
+
+    req = messages_request({**ANTHROPIC_OK, "system": "Be brief.", "stop_sequences": ["\n"],
+                            "tools": [{"name": "temperature", "input_schema": {
+                                "type": "object", "properties": {"city": {"type": "string"}}}}],
+                            "messages": [
+        {"role": "user", "content": "Oslo?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1",
+                                           "name": "temperature", "input": {"city": "Oslo"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                      "content": "4 C"}]}]}, "policy", 1.0)
+    assert [(m["role"], m["content"]) for m in req.messages] == [
+        ("system", "Be brief."), ("user", "Oslo?"), ("assistant", None), ("tool", "4 C")]
+    assert req.messages[2]["tool_calls"][0]["function"] == {"name": "temperature",
+                                                            "arguments": {"city": "Oslo"}}
+    assert req.messages[3]["tool_call_id"] == "t1"
+    assert req.tools[0]["function"]["name"] == "temperature"
+    assert (req.sampling.max_tokens, req.sampling.stop) == (8, ["\n"])
+
+
 def test_token_endpoint_requests_in_the_training_sampler_are_accepted():
     from llamarl.gateway.requests import generate_request
 
@@ -230,7 +277,7 @@ def _engine_chain(live, episode: int, calls: list[int]) -> list[int]:
 def test_trained_tokens_are_the_engines_sampled_tokens(live):
     """Episode ids follow the groups (2 episodes each): chat_tools 0-1, edits_history 2-3,
     no_model 4-5, fifty_calls 6-7, two_choices 8-9, malformed 10-11, stops 12-13,
-    null_content 14-15, generate_tokens 16-17, streams 18-19."""
+    null_content 14-15, generate_tokens 16-17, streams 18-19, anthropic_messages 20-21."""
     for e in (0, 1):  # two chat calls with tools, the second spliced: one sequence
         assert live["chat_tools"]["sampled"][e] == _engine_chain(live, e, [0, 1])
     assert live["chat_tools"]["turns"] == [2, 2]
@@ -302,6 +349,17 @@ def test_streamed_calls_are_what_the_sdk_assembles_and_train_token_exact(live):
         assert got["sampled"][e - 18] == _engine_chain(live, e, [0, 1])
     assert live["stream_dropped"]["rewards"] == [[1.0, 1.0]], live["stream_dropped"]
     assert live["stream_dropped"]["metrics"]["agent_errors"] == 0
+
+
+def test_the_anthropic_sdk_speaks_the_messages_dialect_token_exact(live):
+    """The `anthropic` SDK (tests/user_agents.py:anthropic_messages): messages.stream's text
+    equals its final message, sent back as blocks it is spliced (the episode trains on the
+    engine's ids), and an unknown model is the SDK's own NotFoundError."""
+    got = live["anthropic_messages"]
+    assert got["rewards"] == [1.0, 1.0] and got["turns"] == [2, 2], got
+    for e in (20, 21):
+        assert got["sampled"][e - 20] == _engine_chain(live, e, [0, 1])
+    assert live["metrics"]["agent_not_found"] == 2.0
 
 
 def test_a_history_whose_assistant_turns_carry_null_content_trains(live):

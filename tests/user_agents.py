@@ -233,6 +233,37 @@ def stream_dropped(client, row):
     return float(first.startswith("data: {") and out.choices[0].finish_reason is not None)
 
 
+def anthropic_messages(client, row):
+    """The `anthropic` SDK on the gateway, unmodified but for its base URL and model name:
+    messages.stream with a tool and a system prompt, the final message's blocks sent back
+    (spliced: one sequence), then messages.create; a wrong model is its NotFoundError."""
+    import anthropic
+
+    root = str(client.base_url).rstrip("/").removesuffix("/v1")
+    sdk = anthropic.Anthropic(base_url=root, api_key=client.api_key, max_retries=0)
+    tools = [{"name": "temperature", "description": "The temperature in a city, in C.",
+              "input_schema": WEATHER[0]["function"]["parameters"]}]
+    messages = [{"role": "user", "content": row["prompt"]}]
+    with sdk.messages.stream(model="policy", max_tokens=4, system="Be brief.", tools=tools,
+                             messages=messages) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    text = "".join(b.text for b in final.content if b.type == "text")
+    messages += [{"role": "assistant",
+                  "content": [b.model_dump(exclude_none=True) for b in final.content]},
+                 {"role": "user", "content": "?"}]
+    out = sdk.messages.create(model="policy", max_tokens=4, system="Be brief.", tools=tools,
+                              messages=messages)
+    try:
+        sdk.messages.create(model="claude-9", max_tokens=4, messages=messages)
+        not_found = 0.0
+    except anthropic.NotFoundError:
+        not_found = 1.0
+    ok = (streamed == text and final.usage.output_tokens >= 1
+          and out.stop_reason in ("end_turn", "max_tokens", "tool_use"))
+    return {"reward": float(ok), "metrics": {"not_found": not_found}}
+
+
 def all_refused(client, row):
     """Every request refused (a temperature the gateway does not serve), caught as agents
     catch a BadRequestError: episodes that sample nothing, no agent error."""
@@ -247,7 +278,7 @@ def all_refused(client, row):
 AGENTS = {f.__name__: f for f in (chat_tools, edits_history, no_model, fifty_calls,
                                   two_choices, hangs, raises, not_a_number, exits, malformed,
                                   stops, null_content, generate_tokens, streams,
-                                  stream_dropped)}
+                                  stream_dropped, anthropic_messages)}
 
 
 def scenario(client, row):

@@ -2,6 +2,7 @@
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models
                                  ("stream": true: server-sent events, streaming.py)
+    POST /v1/messages           (the Anthropic Messages dialect: messages.py)
     POST /inference/v1/generate (vLLM's token-in / token-out endpoint, at the server's root:
                                  base_url without /v1)
 
@@ -34,6 +35,12 @@ from dataclasses import dataclass
 
 from fastapi import Request  # (module level: FastAPI resolves the handlers' annotations here)
 
+from llamarl.gateway.messages import (
+    anthropic_error,
+    messages_events,
+    messages_request,
+    messages_response,
+)
 from llamarl.gateway.requests import (
     GatewayError,
     chat_request,
@@ -45,7 +52,7 @@ from llamarl.gateway.requests import (
 from llamarl.gateway.streaming import chat_chunks, completion_chunks
 
 _CHECKS = {"chat": chat_request, "completion": completion_request,
-           "generate": generate_request}  # kind -> its request check
+           "generate": generate_request, "messages": messages_request}  # kind -> its request check
 
 START_TIMEOUT_S = 30.0
 
@@ -146,9 +153,15 @@ class Gateway:
         app = FastAPI(title="llamarl gateway", docs_url=None, redoc_url=None,
                       openapi_url=None)
 
-        def answer(body: dict, status: int) -> JSONResponse:
+        def answer(body: dict, status: int, dialect: str = "openai") -> JSONResponse:
+            """`body` (OpenAI's shape) as `status`; a refusal is counted, and in the
+            Messages dialect sent in Anthropic's error shape."""
             if status != 200:
                 self._count(status, body)
+                if dialect == "messages":
+                    error = body.get("error") or {}
+                    body = anthropic_error(status, str(error.get("message", "")),
+                                           str(error.get("type", "")))
             return JSONResponse(body, status_code=status)
 
         def refuse(e: GatewayError) -> JSONResponse:
@@ -180,16 +193,21 @@ class Gateway:
                                                 "created": 0, "owned_by": "llamarl"}]}
 
         async def serve(request: Request, kind: str):
+            """`kind`: chat, completion, generate, or messages (the Messages dialect: a
+            chat call for the generator, answered in Anthropic's shapes)."""
             self.requests += 1
-            try:
-                eid = self._authorize(request.headers.get("authorization"), episode=True)
+            dialect = "messages" if kind == "messages" else "openai"
+            try:  # (the anthropic SDK sends its key as x-api-key)
+                key = request.headers.get("authorization") or request.headers.get("x-api-key")
+                eid = self._authorize(key, episode=True)
                 body = parse_json(await request.body())
                 checked = _CHECKS[kind](body, self.model, self.temperature)
             except GatewayError as e:
-                return refuse(e)
+                return answer(e.body(), e.status, dialect)
             if self._closing:
-                return refuse(GatewayError(503, "the gateway is shutting down",
-                                           type_="server_error"))
+                e = GatewayError(503, "the gateway is shutting down", type_="server_error")
+                return answer(e.body(), e.status, dialect)
+            kind = "chat" if kind == "messages" else kind
             future: Future = Future()
             with self._lock:
                 self._waiting.add(future)
@@ -199,7 +217,15 @@ class Gateway:
             finally:
                 with self._lock:
                     self._waiting.discard(future)
-            if status == 200 and getattr(checked.sampling, "stream", False):
+            if status != 200:
+                return answer(out, status, dialect)
+            stream = getattr(checked.sampling, "stream", False)
+            if dialect == "messages":
+                if stream:
+                    return StreamingResponse(messages_events(chat_chunks(out, True)),
+                                             media_type="text/event-stream")
+                return answer(messages_response(out), 200)
+            if stream:
                 events = (chat_chunks if kind == "chat" else completion_chunks)(
                     out, checked.sampling.include_usage)
                 return StreamingResponse(iter(events), media_type="text/event-stream")
@@ -212,6 +238,10 @@ class Gateway:
         @app.post("/v1/completions")
         async def completions(request: Request):
             return await serve(request, "completion")
+
+        @app.post("/v1/messages")
+        async def messages(request: Request):
+            return await serve(request, "messages")
 
         @app.post("/inference/v1/generate")
         async def generate(request: Request):

@@ -28,12 +28,11 @@ DONE = sse("[DONE]")
 
 def _pieces(text: str | None, logprobs: list[dict] | None) -> list[tuple[str, list | None]]:
     """A reply's text as stream deltas: per token with its logprob entry when there are
-    logprobs whose tokens spell the text, else the text whole."""
-    if not text:
-        return []
-    if logprobs and "".join(lp["token"] for lp in logprobs) == text:
+    logprobs whose tokens spell the text, else the text whole, with every logprob (an empty
+    text too: a reply of EOS alone, or of tool calls alone, still streams its logprobs)."""
+    if logprobs and text and "".join(lp["token"] for lp in logprobs) == text:
         return [(lp["token"], [lp]) for lp in logprobs]
-    return [(text, logprobs)]
+    return [(text or "", logprobs)] if text or logprobs else []
 
 
 def chat_chunks(body: dict, include_usage: bool) -> list[str]:
@@ -98,6 +97,8 @@ def completion_chunks(body: dict, include_usage: bool) -> list[str]:
                 pieces = [(choice["text"], lp)]
         else:
             pieces = [(choice["text"], None)] if choice["text"] else []
+        if lp and not pieces:
+            pieces = [("", lp)]
         for text, piece_lp in pieces:
             out.append(chunk(choice["index"], text, logprobs=piece_lp))
         out.append(chunk(choice["index"], "", finish=choice["finish_reason"]))

@@ -53,7 +53,8 @@ def main() -> None:
                 for i, k in enumerate(kinds)]
 
     kinds = ["chat_tools", "edits_history", "no_model", "fifty_calls", "two_choices",
-             "malformed", "stops", "null_content", "generate_tokens", "streams"]
+             "malformed", "stops", "null_content", "generate_tokens", "streams",
+             "anthropic_messages"]
     source = build_source(SourceContext(cfg, engine, tok, fmt, None, 0))
     try:
         got = source.collect(prompts(kinds), 2, 1.0, 1234, version=3, step=0)
