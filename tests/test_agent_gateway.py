@@ -13,10 +13,10 @@ from test_multi_turn import chat_tokenizer
 
 from llamarl.gateway.requests import (
     GatewayError,
-    _messages,
     chat_request,
     completion_request,
     parse_json,
+    parse_messages,
 )
 from llamarl.generator.engine import Completion
 from llamarl.rollout.agent_worker import BadResult, agent_result
@@ -133,6 +133,43 @@ def test_a_messages_request_is_the_chat_request_of_its_blocks():
     assert (req.sampling.max_tokens, req.sampling.stop) == (8, ["\n"])
 
 
+@pytest.mark.parametrize("extra, status, param", [
+    ({"model": "gpt-9"}, 404, "model"),
+    ({"input": 3}, 400, "input.str"),
+    ({"temperature": 0.2}, 400, "temperature"),
+    ({"top_p": 0.5}, 400, "top_p"),
+    ({"text": {"format": {"type": "json_object"}}}, 400, "text.format"),
+    ({"previous_response_id": "resp_unknown"}, 404, "previous_response_id"),
+    ({"tool_choice": "required"}, 400, "tool_choice"),
+])
+def test_responses_requests_outside_the_training_sampler_or_malformed_are_refused(
+        extra, status, param):
+    from llamarl.gateway.responses_api import responses_request
+
+    body = {"model": "policy", "input": "hi", **extra}
+    with pytest.raises(GatewayError) as e:
+        responses_request(body, "policy", 1.0, previous=lambda rid: None)
+    assert (e.value.status, e.value.param) == (status, param), e.value.message
+
+
+def test_a_responses_request_continues_its_previous_response():
+    """instructions -> system (not carried over), the earlier conversation, function_call
+    items -> the assistant's tool_calls, function_call_output -> a tool message."""
+    from llamarl.gateway.responses_api import responses_request
+
+    earlier = [{"role": "system", "content": "Old."}, {"role": "user", "content": "Oslo?"}]
+    req, _ = responses_request({"model": "policy", "instructions": "Be brief.",
+                                "previous_response_id": "resp_1", "input": [
+        {"type": "function_call", "call_id": "c1", "name": "temperature",
+         "arguments": '{"city": "Oslo"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "4 C"}]},
+        "policy", 1.0, previous={"resp_1": earlier}.get)
+    assert [(m["role"], m["content"]) for m in req.messages] == [
+        ("system", "Be brief."), ("user", "Oslo?"), ("assistant", None), ("tool", "4 C")]
+    assert req.messages[2]["tool_calls"][0]["function"] == {"name": "temperature",
+                                                            "arguments": {"city": "Oslo"}}
+
+
 def test_token_endpoint_requests_in_the_training_sampler_are_accepted():
     from llamarl.gateway.requests import generate_request
 
@@ -233,7 +270,7 @@ def test_tool_calls_are_parsed_by_vllms_hermes_parser_and_spliced_when_sent_back
 
     req = ChatRequest(OK, WEATHER, "auto", Sampling())
     _, keyed = chat_response(req, [1], [_completion(tok, text)], parser, tok, "policy")
-    echoed = _messages([{"role": "assistant", "content": msg["content"],
+    echoed = parse_messages([{"role": "assistant", "content": msg["content"],
                          "tool_calls": msg["tool_calls"]}])[0]
     assert message_key(echoed) == message_key(keyed[0])
     with pytest.raises(ValueError, match="rollout.tool_parser"):
@@ -277,7 +314,8 @@ def _engine_chain(live, episode: int, calls: list[int]) -> list[int]:
 def test_trained_tokens_are_the_engines_sampled_tokens(live):
     """Episode ids follow the groups (2 episodes each): chat_tools 0-1, edits_history 2-3,
     no_model 4-5, fifty_calls 6-7, two_choices 8-9, malformed 10-11, stops 12-13,
-    null_content 14-15, generate_tokens 16-17, streams 18-19, anthropic_messages 20-21."""
+    null_content 14-15, generate_tokens 16-17, streams 18-19, anthropic_messages 20-21,
+    responses_api 22-23."""
     for e in (0, 1):  # two chat calls with tools, the second spliced: one sequence
         assert live["chat_tools"]["sampled"][e] == _engine_chain(live, e, [0, 1])
     assert live["chat_tools"]["turns"] == [2, 2]
@@ -359,7 +397,25 @@ def test_the_anthropic_sdk_speaks_the_messages_dialect_token_exact(live):
     assert got["rewards"] == [1.0, 1.0] and got["turns"] == [2, 2], got
     for e in (20, 21):
         assert got["sampled"][e - 20] == _engine_chain(live, e, [0, 1])
-    assert live["metrics"]["agent_not_found"] == 2.0
+    assert live["metrics"]["agent_not_found"] >= 2.0  # (responses_api's add 2)
+
+
+def test_the_responses_api_continues_by_previous_response_id_token_exact(live):
+    """The Responses API through the openai SDK (tests/user_agents.py:responses_api): calls
+    continued by previous_response_id (one streamed) train one sequence of the engine's ids;
+    an unknown id is the SDK's NotFoundError. The Agents SDK's default model (the Responses
+    API) runs its loop on the gateway."""
+    got = live["responses_api"]
+    assert got["rewards"] == [1.0, 1.0] and got["turns"] == [3, 3], got
+    for e in (22, 23):
+        assert got["sampled"][e - 22] == _engine_chain(live, e, [0, 1, 2])
+    assert live["metrics"]["agent_not_found"] == 4.0  # (with anthropic_messages' 2)
+    if "sdk_responses" in live:
+        sdk = live["sdk_responses"]
+        # 1: the loop ended with a final answer; 0.5: the SDK parsed the response and refused
+        # it as incomplete (max_output_tokens), as it does OpenAI's
+        assert all(r in (0.5, 1.0) for r in sdk.get("rewards", [[0]])[0]), sdk
+        assert sdk["metrics"]["model_calls"] >= 2 and sdk["metrics"]["agent_errors"] == 0
 
 
 def test_a_history_whose_assistant_turns_carry_null_content_trains(live):
@@ -439,7 +495,7 @@ def test_null_or_missing_content_renders_as_the_model_saw_it_in_smollm2s_templat
     assert not renderer.renders_tool_calls
     call = {"id": "c1", "type": "function",
             "function": {"name": "calculate", "arguments": '{"expression": "12*34"}'}}
-    history = _messages([{"role": "system", "content": "S"},
+    history = parse_messages([{"role": "system", "content": "S"},
                          {"role": "user", "content": "12*34?"},
                          {"role": "assistant", "content": None, "tool_calls": [call]},
                          {"role": "tool", "tool_call_id": "c1", "content": "408"},

@@ -264,6 +264,63 @@ def anthropic_messages(client, row):
     return {"reward": float(ok), "metrics": {"not_found": not_found}}
 
 
+def responses_api(client, row):
+    """The Responses API through the openai SDK: a call with instructions and a function
+    tool, one continuing it by previous_response_id (spliced onto the first's sampled ids), a
+    streamed third; an unknown previous_response_id is the SDK's NotFoundError."""
+    tools = [{"type": "function", "name": "temperature", "description": "In C.",
+              "parameters": WEATHER[0]["function"]["parameters"]}]
+    common = {"model": "policy", "instructions": "Be brief.", "tools": tools,
+              "max_output_tokens": 4}
+    first = client.responses.create(input=row["prompt"], **common)
+    second = client.responses.create(previous_response_id=first.id, input="?", **common)
+    with client.responses.stream(previous_response_id=second.id, input="!", **common) as s:
+        events = list(s)  # (ends in response.incomplete when max_output_tokens cut the reply,
+        # as OpenAI's does: the SDK's get_final_response wants response.completed)
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    third = events[-1].response
+    try:
+        client.responses.create(previous_response_id="resp_nope", input="x", **common)
+        not_found = 0.0
+    except openai.NotFoundError:
+        not_found = 1.0
+    ok = (all(r.status in ("completed", "incomplete") for r in (first, second, third))
+          and deltas == third.output_text and third.usage.output_tokens >= 1)
+    return {"reward": float(ok), "metrics": {"not_found": not_found}}
+
+
+async def sdk_responses_agent(client, row):
+    """The OpenAI Agents SDK with its default model, OpenAIResponsesModel (the Responses API),
+    a function tool, its own run loop."""
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)
+
+    @function_tool
+    def temperature(city: str) -> str:
+        """The temperature in a city."""
+        return "4 C"
+
+    from agents.exceptions import ModelBehaviorError
+
+    agent = Agent(name="weather", instructions="Be brief.", tools=[temperature],
+                  model=OpenAIResponsesModel(model="policy", openai_client=client),
+                  model_settings=ModelSettings(max_tokens=4))
+    try:
+        result = await Runner.run(agent, "Oslo?", max_turns=3)
+    except ModelBehaviorError as e:  # the SDK read our response and refuses an incomplete
+        # one (a random model's reply rarely ends within 4 tokens), as it would OpenAI's
+        return 0.5 if "max_output_tokens" in str(e) else 0.0
+    return 1.0 if isinstance(result.final_output, str) else 0.0
+
+
 def all_refused(client, row):
     """Every request refused (a temperature the gateway does not serve), caught as agents
     catch a BadRequestError: episodes that sample nothing, no agent error."""
@@ -278,7 +335,7 @@ def all_refused(client, row):
 AGENTS = {f.__name__: f for f in (chat_tools, edits_history, no_model, fifty_calls,
                                   two_choices, hangs, raises, not_a_number, exits, malformed,
                                   stops, null_content, generate_tokens, streams,
-                                  stream_dropped, anthropic_messages)}
+                                  stream_dropped, anthropic_messages, responses_api)}
 
 
 def scenario(client, row):

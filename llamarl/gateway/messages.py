@@ -37,8 +37,13 @@ def messages_request(body: dict, model: str, temperature: float) -> ChatRequest:
         raise GatewayError(404, f"The model {body.get('model')!r} does not exist: this "
                            f"gateway serves {model!r}", param="model", code="not_found_error",
                            type_="not_found_error")
+    from vllm.exceptions import VLLMValidationError
+
     try:
         req = AnthropicMessagesRequest.model_validate(body)
+    except VLLMValidationError as e:  # vLLM's own checks of the request
+        raise _bad(getattr(e, "parameter", None) or "body",
+                   str(e).split(" (parameter=")[0]) from None
     except ValidationError as e:
         err = e.errors()[0]
         raise _bad(".".join(str(x) for x in err["loc"]) or "body",

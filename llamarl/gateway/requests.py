@@ -177,7 +177,7 @@ def _content(message: dict, i: int) -> str | None:
     raise _bad(f"messages[{i}].content", "must be a string, null or a list of text parts")
 
 
-def _messages(raw) -> list[dict]:
+def parse_messages(raw) -> list[dict]:
     if not isinstance(raw, list) or not raw:
         raise _bad("messages", "must be a non-empty list of messages")
     out = []
@@ -247,7 +247,7 @@ def _check_schema(schema, param: str) -> None:
 
 def chat_request(body: dict, model: str, temperature: float) -> ChatRequest:
     sampling = _sampling(body, model, temperature, chat=True)
-    messages = _messages(body.get("messages"))
+    messages = parse_messages(body.get("messages"))
     tools = _tools(body.get("tools"))
     choice = body.get("tool_choice")
     if choice is None:

@@ -3,6 +3,7 @@
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models
                                  ("stream": true: server-sent events, streaming.py)
     POST /v1/messages           (the Anthropic Messages dialect: messages.py)
+    POST /v1/responses          (the OpenAI Responses dialect: responses_api.py)
     POST /inference/v1/generate (vLLM's token-in / token-out endpoint, at the server's root:
                                  base_url without /v1)
 
@@ -48,7 +49,9 @@ from llamarl.gateway.requests import (
     error_body,
     generate_request,
     parse_json,
+    parse_messages,
 )
+from llamarl.gateway.responses_api import response_body, response_events, responses_request
 from llamarl.gateway.streaming import chat_chunks, completion_chunks
 
 _CHECKS = {"chat": chat_request, "completion": completion_request,
@@ -80,6 +83,9 @@ class Gateway:
         self.token = secrets.token_urlsafe(24)
         self.calls: queue.SimpleQueue[GatewayCall] = queue.SimpleQueue()
         self._episodes: dict[str, int] = {}  # episode key -> episode id
+        # episode key -> its /v1/responses conversations (response id -> the chat messages
+        # with the reply), for previous_response_id; dropped with the episode
+        self._conversations: dict[str, dict[str, list[dict]]] = {}
         self._waiting: set[Future] = set()  # futures of calls not answered yet
         self._lock = threading.Lock()
         self._server = None
@@ -107,6 +113,16 @@ class Gateway:
     def close_episode(self, key: str) -> None:
         with self._lock:
             self._episodes.pop(key, None)
+            self._conversations.pop(key, None)
+
+    def _conversation(self, key: str, response_id: str) -> list[dict] | None:
+        with self._lock:
+            return self._conversations.get(key, {}).get(response_id)
+
+    def _keep_conversation(self, key: str, response_id: str, messages: list[dict]) -> None:
+        with self._lock:
+            if key in self._episodes:
+                self._conversations.setdefault(key, {})[response_id] = messages
 
     def _authorize(self, header: str | None, episode: bool) -> int | None:
         key = (header or "").removeprefix("Bearer ").strip()
@@ -198,16 +214,22 @@ class Gateway:
             self.requests += 1
             dialect = "messages" if kind == "messages" else "openai"
             try:  # (the anthropic SDK sends its key as x-api-key)
-                key = request.headers.get("authorization") or request.headers.get("x-api-key")
+                key = (request.headers.get("authorization") or request.headers.get("x-api-key")
+                       or "").removeprefix("Bearer ").strip()
                 eid = self._authorize(key, episode=True)
                 body = parse_json(await request.body())
-                checked = _CHECKS[kind](body, self.model, self.temperature)
+                if kind == "responses":
+                    checked, responses_req = responses_request(
+                        body, self.model, self.temperature,
+                        lambda rid: self._conversation(key, rid))
+                else:
+                    checked = _CHECKS[kind](body, self.model, self.temperature)
             except GatewayError as e:
                 return answer(e.body(), e.status, dialect)
             if self._closing:
                 e = GatewayError(503, "the gateway is shutting down", type_="server_error")
                 return answer(e.body(), e.status, dialect)
-            kind = "chat" if kind == "messages" else kind
+            dialect_kind, kind = kind, "chat" if kind in ("messages", "responses") else kind
             future: Future = Future()
             with self._lock:
                 self._waiting.add(future)
@@ -220,6 +242,15 @@ class Gateway:
             if status != 200:
                 return answer(out, status, dialect)
             stream = getattr(checked.sampling, "stream", False)
+            if dialect_kind == "responses":
+                answered = response_body(responses_req, out, self.temperature)
+                if responses_req.store is not False:
+                    self._keep_conversation(key, answered["id"], checked.messages + parse_messages(
+                        [out["choices"][0]["message"]]))
+                if stream:
+                    return StreamingResponse(iter(response_events(answered)),
+                                             media_type="text/event-stream")
+                return answer(answered, 200)
             if dialect == "messages":
                 if stream:
                     return StreamingResponse(messages_events(chat_chunks(out, True)),
@@ -238,6 +269,10 @@ class Gateway:
         @app.post("/v1/completions")
         async def completions(request: Request):
             return await serve(request, "completion")
+
+        @app.post("/v1/responses")
+        async def responses(request: Request):
+            return await serve(request, "responses")
 
         @app.post("/v1/messages")
         async def messages(request: Request):

@@ -54,7 +54,7 @@ def main() -> None:
 
     kinds = ["chat_tools", "edits_history", "no_model", "fifty_calls", "two_choices",
              "malformed", "stops", "null_content", "generate_tokens", "streams",
-             "anthropic_messages"]
+             "anthropic_messages", "responses_api"]
     source = build_source(SourceContext(cfg, engine, tok, fmt, None, 0))
     try:
         got = source.collect(prompts(kinds), 2, 1.0, 1234, version=3, step=0)
@@ -100,7 +100,8 @@ def main() -> None:
     doc = [("my_agents:weather_agent", "docs_example", ["x"], 2, [])]
     try:
         import agents  # noqa: F401 - the OpenAI Agents SDK, when installed (the dev extra)
-        sdk = [("user_agents:sdk_agent", "sdk", ["x"], 2, [])]
+        sdk = [("user_agents:sdk_agent", "sdk", ["x"], 2, []),
+               ("user_agents:sdk_responses_agent", "sdk_responses", ["x"], 2, [])]
     except ImportError:
         sdk = []
     for agent, key, kinds, n, extra in (
