@@ -43,6 +43,8 @@ def _refused(fn, *args) -> GatewayError:
     ({"model": "policy", "messages": OK, "stream_options": {"include_usage": True}}, 400,
      "stream_options"),
     ({"model": "policy", "messages": OK, "tool_choice": "required"}, 400, "tool_choice"),
+    ({"model": "policy", "messages": OK, "tools": WEATHER, "tool_choice": {
+        "type": "function", "function": {"name": "wind"}}}, 400, "tool_choice"),
     ({"model": "policy", "messages": []}, 400, "messages"),
     ({"model": "policy", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0]"),
     ({"model": "policy", "messages": OK, "tools": [{"type": "function", "function": {
@@ -315,7 +317,7 @@ def test_trained_tokens_are_the_engines_sampled_tokens(live):
     """Episode ids follow the groups (2 episodes each): chat_tools 0-1, edits_history 2-3,
     no_model 4-5, fifty_calls 6-7, two_choices 8-9, malformed 10-11, stops 12-13,
     null_content 14-15, generate_tokens 16-17, streams 18-19, anthropic_messages 20-21,
-    responses_api 22-23."""
+    responses_api 22-23, forced_tools 24-25."""
     for e in (0, 1):  # two chat calls with tools, the second spliced: one sequence
         assert live["chat_tools"]["sampled"][e] == _engine_chain(live, e, [0, 1])
     assert live["chat_tools"]["turns"] == [2, 2]
@@ -416,6 +418,28 @@ def test_the_responses_api_continues_by_previous_response_id_token_exact(live):
         # it as incomplete (max_output_tokens), as it does OpenAI's
         assert all(r in (0.5, 1.0) for r in sdk.get("rewards", [[0]])[0]), sdk
         assert sdk["metrics"]["model_calls"] >= 2 and sdk["metrics"]["agent_errors"] == 0
+
+
+def test_a_forced_tool_choice_is_prefilled_and_trains_only_what_was_sampled(live):
+    """tool_choice a named function and required (tests/user_agents.py:forced_tools): each
+    reply begins with the call's start, which the gateway wrote into the prompt (context,
+    masked out); the trained tokens are the engine's sampled ids alone, spliced into one
+    sequence."""
+    got = live["forced_tools"]
+    assert got["rewards"] == [1.0, 1.0] and got["turns"] == [2, 2], got
+    for e in (24, 25):
+        assert got["sampled"][e - 24] == _engine_chain(live, e, [0, 1])
+
+
+def test_the_start_of_a_forced_call_is_written_as_the_model_writes_it():
+    from llamarl.gateway.responses import forced_call_prefix
+
+    assert forced_call_prefix("hermes", "auto", None) == ""
+    assert forced_call_prefix("hermes", "required", None) == '<tool_call>\n{"name": "'
+    assert forced_call_prefix("hermes", "function", "f") == \
+        '<tool_call>\n{"name": "f", "arguments": '
+    with pytest.raises(ValueError, match="rollout.tool_parser hermes, not 'mistral'"):
+        forced_call_prefix("mistral", "required", None)
 
 
 def test_a_history_whose_assistant_turns_carry_null_content_trains(live):

@@ -321,6 +321,24 @@ async def sdk_responses_agent(client, row):
     return 1.0 if isinstance(result.final_output, str) else 0.0
 
 
+def forced_tools(client, row):
+    """tool_choice a named function, then required: each reply begins with the call the
+    gateway wrote into the prompt (hermes), which the random model continues (a call it
+    closes is parsed into tool_calls); sent back, the second call is spliced."""
+    messages = [{"role": "user", "content": row["prompt"]}]
+    named = {"type": "function", "function": {"name": "temperature"}}
+    ok = True
+    for choice, head in ((named, '<tool_call>\n{"name": "temperature", "arguments": '),
+                         ("required", '<tool_call>\n{"name": "')):
+        out = client.chat.completions.create(model="policy", messages=messages, tools=WEATHER,
+                                             tool_choice=choice, max_tokens=4)
+        msg = out.choices[0].message
+        ok &= bool(msg.tool_calls) or (msg.content or "").startswith(head)
+        messages += [msg.model_dump(exclude_none=True),
+                     {"role": "user", "content": "?"}]
+    return float(ok)
+
+
 def all_refused(client, row):
     """Every request refused (a temperature the gateway does not serve), caught as agents
     catch a BadRequestError: episodes that sample nothing, no agent error."""
@@ -335,7 +353,8 @@ def all_refused(client, row):
 AGENTS = {f.__name__: f for f in (chat_tools, edits_history, no_model, fifty_calls,
                                   two_choices, hangs, raises, not_a_number, exits, malformed,
                                   stops, null_content, generate_tokens, streams,
-                                  stream_dropped, anthropic_messages, responses_api)}
+                                  stream_dropped, anthropic_messages, responses_api,
+                                  forced_tools)}
 
 
 def scenario(client, row):

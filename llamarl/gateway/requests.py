@@ -8,10 +8,12 @@ BadRequestError / AuthenticationError / NotFoundError with the message.
 Sampling: the gateway samples exactly as the training sampler does (plain softmax at the
 collection's temperature, top_p 1, no penalties), because the trainer recomputes the
 logprobs of that distribution. A request that asks for another distribution (temperature
-other than generator.temperature, top_p != 1, penalties, logit_bias, a forced tool choice
-that would need constrained decoding, top_logprobs) is refused with a 400 naming the
-parameter, not served "off-policy": its tokens would train with logprobs the trainer
-cannot reproduce, silently. Parameters that do not change the distribution (seed, user,
+other than generator.temperature, top_p != 1, penalties, logit_bias, top_logprobs) is
+refused with a 400 naming the parameter, not served "off-policy": its tokens would train
+with logprobs the trainer cannot reproduce, silently. tool_choice required or a named
+function is served without constrained decoding: the start of the call is written into the
+prompt in the model's format, and the model samples the rest (responses.py:
+forced_call_prefix). Parameters that do not change the distribution (seed, user,
 parallel_tool_calls, ...) are accepted and ignored. `stream` is answered as server-sent
 events (streaming.py).
 """
@@ -59,8 +61,9 @@ class Sampling:
 class ChatRequest:
     messages: list[dict]
     tools: list[dict] | None
-    tool_choice: str  # "auto" | "none"
+    tool_choice: str  # "auto" | "none" | "required" | "function": a call of `forced`
     sampling: Sampling
+    forced: str | None = None  # tool_choice "function": the tool the reply must call
 
 
 @dataclass
@@ -249,13 +252,34 @@ def chat_request(body: dict, model: str, temperature: float) -> ChatRequest:
     sampling = _sampling(body, model, temperature, chat=True)
     messages = parse_messages(body.get("messages"))
     tools = _tools(body.get("tools"))
-    choice = body.get("tool_choice")
+    choice, forced = _tool_choice(body.get("tool_choice"), tools)
+    return ChatRequest(messages, tools, choice, sampling, forced)
+
+
+def _tool_choice(choice, tools: list[dict] | None) -> tuple[str, str | None]:
+    """tool_choice as (auto | none | required | function, the named tool): a named function
+    as chat ({"type": "function", "function": {"name"}}) or Responses ({"type": "function",
+    "name"}) write it. required and a named one need tools (and the named one among them)."""
     if choice is None:
-        choice = "auto"
-    if choice not in ("auto", "none"):
-        raise _bad("tool_choice", f"{choice!r}: auto or none (a forced tool call would need "
-                   "constrained decoding, which changes the sampled distribution)")
-    return ChatRequest(messages, tools, choice, sampling)
+        return "auto", None
+    names = [t["function"]["name"] for t in tools or []]
+    if choice in ("auto", "none"):
+        return choice, None
+    if choice == "required":
+        if not names:
+            raise _bad("tool_choice", "required needs tools")
+        return "required", None
+    name = None
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else choice.get("name")
+    if not isinstance(name, str):
+        raise _bad("tool_choice", f"{choice!r}: auto, none, required or "
+                   '{"type": "function", "function": {"name": ...}}')
+    if name not in names:
+        raise _bad("tool_choice", f"names {name!r}, which is not among the tools "
+                   f"({', '.join(names) or 'none given'})")
+    return "function", name
 
 
 def completion_request(body: dict, model: str, temperature: float) -> CompletionRequest:

@@ -33,6 +33,24 @@ def tool_parser(name: str, tokenizer):
     return cls(tokenizer)
 
 
+def forced_call_prefix(parser_name: str, choice: str, forced: str | None) -> str:
+    """What a reply that must call a tool (tool_choice required, or a named function) begins
+    with, written in the model's own tool-call format (rollout.tool_parser): the gateway puts
+    it in the prompt and the model samples the rest. Sampling stays the plain softmax (the
+    trainer reproduces it: the prefix is context, like a chat template's glue), where
+    constrained decoding would mask the distribution. hermes: `<tool_call>\n{"name": "` (the
+    model picks the tool), `... "name": "<name>", "arguments": ` (it writes the arguments).
+    ValueError for a parser whose format has no such prefix here."""
+    if choice not in ("required", "function"):
+        return ""
+    if parser_name != "hermes":
+        raise ValueError(f"tool_choice {choice!r} is served by writing the start of the call "
+                         f"into the prompt in the model's format, known for rollout.tool_parser "
+                         f"hermes, not {parser_name!r}: use auto")
+    head = '<tool_call>\n{"name": "'
+    return head + (f'{forced}", "arguments": ' if forced else "")
+
+
 def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
     """`text` up to its first stop string, and whether one was found."""
     at = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
@@ -64,8 +82,9 @@ def chat_message(text: str, parser, tools, tool_choice: str, model: str) -> tupl
         return {"role": "assistant", "content": text}, False
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
+    # (parsed as under auto: a forced call was prefilled, forced_call_prefix)
     request = ChatCompletionRequest(model=model, messages=[{"role": "user", "content": ""}],
-                                    tools=tools, tool_choice=tool_choice)
+                                    tools=tools, tool_choice="auto")
     info = parser.extract_tool_calls(text, request)
     if not info.tools_called:
         return {"role": "assistant", "content": text}, False
@@ -75,15 +94,17 @@ def chat_message(text: str, parser, tools, tool_choice: str, model: str) -> tupl
     return {"role": "assistant", "content": info.content or None, "tool_calls": calls}, True
 
 
-def chat_response(req, prompt_ids, completions, parser, tokenizer, model: str
-                  ) -> tuple[dict, list[dict]]:
+def chat_response(req, prompt_ids, completions, parser, tokenizer, model: str,
+                  prefix: str = "") -> tuple[dict, list[dict]]:
     """The chat.completion body, and each choice's message as the capture keys it (tool
-    call arguments as objects, as requests.py reads them back)."""
+    call arguments as objects, as requests.py reads them back). `prefix`: the forced call's
+    start the prompt ended with (forced_call_prefix): the reply's text begins with it."""
     import json
 
     choices, keyed = [], []
     for i, c in enumerate(completions):
         text, stopped = cut_at_stop(c.text, req.sampling.stop)
+        text = prefix + text
         message, called = chat_message(text, parser, req.tools, req.tool_choice, model)
         choice = {"index": i, "message": message,
                   "finish_reason": "tool_calls" if called else _finish(c, stopped),

@@ -31,6 +31,7 @@ from llamarl.gateway.requests import error_body
 from llamarl.gateway.responses import (
     chat_response,
     completion_response,
+    forced_call_prefix,
     generate_response,
     tool_parser,
 )
@@ -62,6 +63,7 @@ class _Pending:
     call: GatewayCall
     prompt_ids: list[int]
     done: list = field(default_factory=list)
+    prefix: str = ""  # a forced tool call's start at the end of the prompt (tool_choice)
 
 
 class AgentSource(RolloutSource):
@@ -188,9 +190,21 @@ class AgentRunner(EpisodeRunner):
                 f"token id {bad} is not in the model's vocabulary ({self.vocab} tokens)",
                 "invalid_request_error", "token_ids" if call.kind == "generate" else "prompt",
                 "invalid_value"))
+        prefix = ""
+        if call.kind == "chat":
+            try:
+                prefix = forced_call_prefix(self.source.ctx.cfg.rollout.tool_parser,
+                                            req.tool_choice, req.forced)
+            except ValueError as e:
+                self.metrics["refused_calls"] += 1
+                return resolve(call, 400, error_body(str(e), "invalid_request_error",
+                                                     "tool_choice", "invalid_value"))
         try:
             if call.kind == "chat":
                 ids = ep.capture.chat_prompt(req.messages, req.tools)
+                if prefix:  # the forced call's start, as context (responses.py)
+                    ids = ids + self.source.ctx.tokenizer(
+                        prefix, add_special_tokens=False)["input_ids"]
             else:  # completion text or ids; generate: ids as given (spliced, token-exact)
                 ids = ep.capture.text_prompt(given if call.kind == "generate" else req.prompt)
         except Exception as e:  # noqa: BLE001 - a template or tokenizer refusing the input
@@ -208,7 +222,7 @@ class AgentRunner(EpisodeRunner):
                 "context_length_exceeded"))
         max_tokens = min(req.sampling.max_tokens or self.max_new, self.max_new, room)
         number, ep.calls = ep.calls, ep.calls + 1
-        ep.running[number] = _Pending(call, ids, [None] * req.sampling.n)
+        ep.running[number] = _Pending(call, ids, [None] * req.sampling.n, prefix)
         for i in range(req.sampling.n):
             self.engine.submit(f"{call.episode}:{number}:{i}", ids, self.temperature,
                                max_tokens, req.sampling.stop or None)
@@ -232,7 +246,7 @@ class AgentRunner(EpisodeRunner):
                 c.versions = None  # every token by the version of this collection
         if p.call.kind == "chat":
             body, replies = chat_response(req, p.prompt_ids, p.done, src.parser, tok,
-                                          MODEL_NAME)
+                                          MODEL_NAME, p.prefix)
             ep.capture.record(p.prompt_ids, p.done, replies, messages=req.messages,
                               tools=req.tools)
         elif p.call.kind == "generate":

@@ -54,7 +54,7 @@ def main() -> None:
 
     kinds = ["chat_tools", "edits_history", "no_model", "fifty_calls", "two_choices",
              "malformed", "stops", "null_content", "generate_tokens", "streams",
-             "anthropic_messages", "responses_api"]
+             "anthropic_messages", "responses_api", "forced_tools"]
     source = build_source(SourceContext(cfg, engine, tok, fmt, None, 0))
     try:
         got = source.collect(prompts(kinds), 2, 1.0, 1234, version=3, step=0)
