@@ -46,6 +46,8 @@ def _refused(fn, *args) -> GatewayError:
     ({"model": "policy", "messages": OK, "tools": WEATHER, "tool_choice": {
         "type": "function", "function": {"name": "wind"}}}, 400, "tool_choice"),
     ({"model": "policy", "messages": []}, 400, "messages"),
+    ({"model": "policy", "messages": OK + [{"role": "tool", "tool_call_id": "nope",
+                                            "content": "4 C"}]}, 400, "messages[1].tool_call_id"),
     ({"model": "policy", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0]"),
     ({"model": "policy", "messages": OK, "tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "nonsense"}}}]}, 400,
@@ -102,6 +104,9 @@ ANTHROPIC_OK = {"model": "policy", "max_tokens": 8, "messages": [{"role": "user"
      "thinking"),
     ({"tools": [{"name": "f", "input_schema": {"type": "nonsense"}}]}, 400,
      "tools[0].function.parameters"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "nope",
+                                                 "content": "4 C"}]}]}, 400,
+     "messages[0].tool_call_id"),
 ])
 def test_messages_requests_outside_the_training_sampler_or_malformed_are_refused(
         extra, status, param):
@@ -143,6 +148,8 @@ def test_a_messages_request_is_the_chat_request_of_its_blocks():
     ({"text": {"format": {"type": "json_object"}}}, 400, "text.format"),
     ({"previous_response_id": "resp_unknown"}, 404, "previous_response_id"),
     ({"tool_choice": "required"}, 400, "tool_choice"),
+    ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "4 C"}]}, 400,
+     "messages[0].tool_call_id"),
 ])
 def test_responses_requests_outside_the_training_sampler_or_malformed_are_refused(
         extra, status, param):
@@ -261,7 +268,8 @@ def test_tool_calls_are_parsed_by_vllms_hermes_parser_and_spliced_when_sent_back
     parser = tool_parser("hermes", tok)
     text = 'Let me see. <tool_call>{"name": "temperature", "arguments": {"city": "Oslo"}}' \
            '</tool_call>'
-    msg, called = chat_message(text, parser, WEATHER, "auto", "policy")
+    msg, called, unknown = chat_message(text, parser, WEATHER, "auto", "policy")
+    assert unknown == 0
     assert called and msg["content"] == "Let me see. "
     fn = msg["tool_calls"][0]["function"]
     assert fn["name"] == "temperature" and json.loads(fn["arguments"]) == {"city": "Oslo"}
@@ -271,12 +279,16 @@ def test_tool_calls_are_parsed_by_vllms_hermes_parser_and_spliced_when_sent_back
     from llamarl.gateway.responses import chat_response
 
     req = ChatRequest(OK, WEATHER, "auto", Sampling())
-    _, keyed = chat_response(req, [1], [_completion(tok, text)], parser, tok, "policy")
+    _, keyed, _ = chat_response(req, [1], [_completion(tok, text)], parser, tok, "policy")
     echoed = parse_messages([{"role": "assistant", "content": msg["content"],
                          "tool_calls": msg["tool_calls"]}])[0]
     assert message_key(echoed) == message_key(keyed[0])
     with pytest.raises(ValueError, match="rollout.tool_parser"):
         tool_parser("nope", tok)
+    # a call to a tool the request did not offer: the reply is the model's text, counted
+    wind = '<tool_call>{"name": "wind", "arguments": {}}</tool_call>'
+    assert chat_message(wind, parser, WEATHER, "auto", "policy") == (
+        {"role": "assistant", "content": wind}, False, 1)
 
 
 def test_what_an_agent_returns_must_be_a_reward():

@@ -25,7 +25,9 @@ def chat_tools(client, row):
                                              tools=WEATHER, max_tokens=4, logprobs=True)
         msg = out.choices[0].message
         messages.append(msg.model_dump(exclude_none=True))
-        messages.append({"role": "tool", "tool_call_id": f"t{i}", "content": f"{10 + i} C"})
+        for call in msg.tool_calls or [None]:  # (the random model rarely calls: a user turn)
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": f"{10 + i} C"}
+                            if call else {"role": "user", "content": f"{10 + i} C"})
     return {"reward": float(len(out.choices[0].logprobs.content)),
             "metrics": {"prompt_tokens": out.usage.prompt_tokens}}
 

@@ -181,17 +181,26 @@ def _content(message: dict, i: int) -> str | None:
 
 
 def parse_messages(raw) -> list[dict]:
+    """Messages as the template reads them. A tool result must answer a call an earlier
+    assistant turn made (its tool_call_id among theirs), as OpenAI's API requires; one without
+    an id is taken as it is."""
     if not isinstance(raw, list) or not raw:
         raise _bad("messages", "must be a non-empty list of messages")
-    out = []
+    out, call_ids = [], set()
     for i, m in enumerate(raw):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise _bad(f"messages[{i}]", f"needs a role, one of {', '.join(ROLES)}")
         msg = {"role": m["role"], "content": _content(m, i)}
         if m["role"] == "assistant" and m.get("tool_calls"):
             msg["tool_calls"] = _tool_calls(m["tool_calls"], i)
+            call_ids.update(c["id"] for c in msg["tool_calls"] if c["id"] is not None)
         if m["role"] == "tool" and m.get("tool_call_id") is not None:
             msg["tool_call_id"] = str(m["tool_call_id"])
+            if msg["tool_call_id"] not in call_ids:
+                raise _bad(f"messages[{i}].tool_call_id",
+                           f"{msg['tool_call_id']!r} answers no tool call of an earlier "
+                           "assistant message: send the assistant turn with its tool_calls "
+                           "before their results")
         if m.get("name") is not None and m["role"] != "assistant":
             msg["name"] = str(m["name"])
         out.append(msg)
@@ -215,7 +224,8 @@ def _tool_calls(raw, i: int) -> list[dict]:
             except json.JSONDecodeError:
                 raise _bad(f"messages[{i}].tool_calls[{j}].function.arguments",
                            "is not valid JSON") from None
-        out.append({"id": call.get("id"), "type": "function",
+        out.append({"id": None if call.get("id") is None else str(call["id"]),
+                    "type": "function",
                     "function": {"name": fn["name"], "arguments": args}})
     return out
 

@@ -76,10 +76,14 @@ def _usage(prompt_ids: list[int], completions: list) -> dict:
             "total_tokens": len(prompt_ids) + done}
 
 
-def chat_message(text: str, parser, tools, tool_choice: str, model: str) -> tuple[dict, bool]:
-    """The assistant message for `text`, and whether it holds tool calls."""
+def chat_message(text: str, parser, tools, tool_choice: str, model: str
+                 ) -> tuple[dict, bool, int]:
+    """The assistant message for `text`, whether it holds tool calls, and how many calls it
+    made to tools the request did not offer. Such a reply is returned as its text (content),
+    not as tool calls: an OpenAI-compatible server only ever calls the request's tools (the
+    harness sees the model's answer, and the trainer its reward)."""
     if parser is None or not tools or tool_choice == "none":
-        return {"role": "assistant", "content": text}, False
+        return {"role": "assistant", "content": text}, False, 0
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
     # (parsed as under auto: a forced call was prefilled, forced_call_prefix)
@@ -87,25 +91,31 @@ def chat_message(text: str, parser, tools, tool_choice: str, model: str) -> tupl
                                     tools=tools, tool_choice="auto")
     info = parser.extract_tool_calls(text, request)
     if not info.tools_called:
-        return {"role": "assistant", "content": text}, False
+        return {"role": "assistant", "content": text}, False, 0
+    offered = {t["function"]["name"] for t in tools}
+    unknown = sum(tc.function.name not in offered for tc in info.tool_calls)
+    if unknown:
+        return {"role": "assistant", "content": text}, False, unknown
     calls = [{"id": f"call_{next(_IDS)}", "type": "function",
               "function": {"name": tc.function.name, "arguments": tc.function.arguments}}
              for tc in info.tool_calls]
-    return {"role": "assistant", "content": info.content or None, "tool_calls": calls}, True
+    return {"role": "assistant", "content": info.content or None, "tool_calls": calls}, True, 0
 
 
 def chat_response(req, prompt_ids, completions, parser, tokenizer, model: str,
-                  prefix: str = "") -> tuple[dict, list[dict]]:
-    """The chat.completion body, and each choice's message as the capture keys it (tool
-    call arguments as objects, as requests.py reads them back). `prefix`: the forced call's
+                  prefix: str = "") -> tuple[dict, list[dict], int]:
+    """The chat.completion body, each choice's message as the capture keys it (tool call
+    arguments as objects, as requests.py reads them back), and the calls to tools the
+    request did not offer (returned as text: chat_message). `prefix`: the forced call's
     start the prompt ended with (forced_call_prefix): the reply's text begins with it."""
     import json
 
-    choices, keyed = [], []
+    choices, keyed, unknown = [], [], 0
     for i, c in enumerate(completions):
         text, stopped = cut_at_stop(c.text, req.sampling.stop)
         text = prefix + text
-        message, called = chat_message(text, parser, req.tools, req.tool_choice, model)
+        message, called, bad = chat_message(text, parser, req.tools, req.tool_choice, model)
+        unknown += bad
         choice = {"index": i, "message": message,
                   "finish_reason": "tool_calls" if called else _finish(c, stopped),
                   "logprobs": {"content": _logprobs(tokenizer, c)} if req.sampling.logprobs
@@ -121,7 +131,7 @@ def chat_response(req, prompt_ids, completions, parser, tokenizer, model: str,
     body = {"id": f"chatcmpl-{next(_IDS)}", "object": "chat.completion",
             "created": int(time.time()), "model": model, "choices": choices,
             "usage": _usage(prompt_ids, completions)}
-    return body, keyed
+    return body, keyed, unknown
 
 
 def _args(arguments: str, json):

@@ -121,6 +121,7 @@ class AgentRunner(EpisodeRunner):
 
     METRICS = ("episodes", "turns", "model_calls", "prefix_breaks", "spliced_calls",
                "dropped_sampled_tokens", "agent_errors", "agent_timeouts", "refused_calls",
+               "unknown_tool_calls",
                "engine_busy_s", "env_s", "tool_calls", "tool_errors", "malformed",
                "env_errors", "env_timeouts")
 
@@ -245,8 +246,9 @@ class AgentRunner(EpisodeRunner):
             for c in p.done:
                 c.versions = None  # every token by the version of this collection
         if p.call.kind == "chat":
-            body, replies = chat_response(req, p.prompt_ids, p.done, src.parser, tok,
-                                          MODEL_NAME, p.prefix)
+            body, replies, unknown = chat_response(req, p.prompt_ids, p.done, src.parser,
+                                                   tok, MODEL_NAME, p.prefix)
+            self.metrics["unknown_tool_calls"] += unknown
             ep.capture.record(p.prompt_ids, p.done, replies, messages=req.messages,
                               tools=req.tools)
         elif p.call.kind == "generate":

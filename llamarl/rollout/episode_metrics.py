@@ -62,6 +62,8 @@ def agent_metrics(parts: list[dict]) -> dict:
             "agent_errors": int(tot["agent_errors"]),
             "agent_timeouts": int(tot["agent_timeouts"]),
             "refused_calls": int(tot["refused_calls"]),
+            # replies calling a tool the request did not offer, returned as text
+            "unknown_tool_calls": int(tot.get("unknown_tool_calls", 0)),
             **{k: v / episodes for k, v in tot.items() if k.startswith("agent_")
                and k not in ("agent_errors", "agent_timeouts")}}
 
