@@ -209,8 +209,9 @@ class Gateway:
                                                 "created": 0, "owned_by": "llamarl"}]}
 
         async def serve(request: Request, kind: str):
-            """`kind`: chat, completion, generate, or messages (the Messages dialect: a
-            chat call for the generator, answered in Anthropic's shapes)."""
+            """`kind`: chat, completion, generate, responses or messages (the Responses and
+            Messages dialects: chat calls for the generator, answered in their own shapes:
+            responses_api.py, messages.py)."""
             self.requests += 1
             dialect = "messages" if kind == "messages" else "openai"
             try:  # (the anthropic SDK sends its key as x-api-key)
