@@ -67,7 +67,7 @@ def test_chat_requests_outside_the_training_sampler_or_malformed_are_refused(bod
     ({"token_ids": [1]}, 400, "sampling_params"),
     ({"token_ids": [], "sampling_params": {}}, 400, "token_ids"),
     ({"token_ids": [1, -2], "sampling_params": {}}, 400, "token_ids"),
-    ({"token_ids": [1], "stream": True, "sampling_params": {}}, 400, "stream"),
+    ({"token_ids": [1], "stream": "maybe", "sampling_params": {}}, 400, "stream"),
     ({"token_ids": [1], "sampling_params": {"temperature": 0.7}}, 400,
      "sampling_params.temperature"),
     ({"token_ids": [1], "sampling_params": {"top_p": 5}}, 400, "sampling_params.top_p"),
@@ -378,13 +378,13 @@ def test_stop_strings_cut_the_text_and_keep_the_engines_tokens(live):
 
 def test_the_token_endpoint_records_token_exact_and_refuses_what_it_cannot_serve(live):
     """POST /inference/v1/generate (tests/user_agents.py:generate_tokens): ids in, ids and
-    logprobs out; the second call's ids extend the first's prompt + sampled ids, so the
-    episode trains one sequence of both, the engine's own ids; a top_p and an id outside the
-    vocabulary are 400s naming the field."""
+    logprobs out; each call's ids extend the previous prompt + sampled ids (the third
+    streamed as vLLM streams it), so the episode trains one sequence of the three, the
+    engine's own ids; a top_p and an id outside the vocabulary are 400s naming the field."""
     got = live["generate_tokens"]
-    assert got["rewards"] == [1.0, 1.0] and got["turns"] == [2, 2], got
-    for e in (16, 17):
-        assert got["sampled"][e - 16] == _engine_chain(live, e, [0, 1])
+    assert got["rewards"] == [1.0, 1.0] and got["turns"] == [3, 3], got
+    for e in (16, 17):  # (the third call streamed)
+        assert got["sampled"][e - 16] == _engine_chain(live, e, [0, 1, 2])
     m = live["metrics"]
     assert m["agent_bad_top_p"] / 2 == 400 and m["agent_bad_id"] / 2 == 400
     assert m["agent_bad_top_p_named"] == m["agent_bad_id_named"] == 2.0  # (both episodes)

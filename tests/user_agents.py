@@ -190,9 +190,20 @@ def generate_tokens(client, row):
         second = generate(ids).json()
         bad_p = generate([5], top_p=0.5)
         bad_id = generate([5, 10**6])
+        streamed = []  # continued, streamed (vLLM's chunks): the ids come back
+        third = ids + second["choices"][0]["token_ids"] + [7]
+        with http.stream("POST", root + "/inference/v1/generate", headers=auth, json={
+                "token_ids": third, "stream": True, "stream_options": {"include_usage": True},
+                "sampling_params": {"max_tokens": 3, "logprobs": 0}}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    streamed.append(json.loads(line.removeprefix("data: ")))
+    stream_ok = (len(streamed) == 2 and streamed[-1]["usage"]["completion_tokens"]
+                 == len(streamed[0]["choices"][0]["token_ids"]) >= 1
+                 and streamed[0]["choices"][0]["finish_reason"] in ("stop", "length"))
     lps = [x["logprob"] for x in first["logprobs"]["content"]]
     ok = (len(lps) == len(first["token_ids"]) == first["weight_versions"][0]["end"]
-          and second["usage"]["prompt_tokens"] == len(ids))
+          and second["usage"]["prompt_tokens"] == len(ids) and stream_ok)
     return {"reward": float(ok), "metrics": {
         "bad_top_p": float(bad_p.status_code), "bad_id": float(bad_id.status_code),
         "bad_top_p_named": float(bad_p.json()["error"]["param"] == "sampling_params.top_p"),

@@ -335,9 +335,6 @@ def generate_request(body: dict, model: str, temperature: float) -> GenerateCall
         raise GatewayError(404, f"The model {body.get('model')!r} does not exist: this "
                            f"gateway serves {model!r} (GET /v1/models)", param="model",
                            code="model_not_found")
-    if body.get("stream"):
-        raise _bad("stream", "streaming is not supported on /inference/v1/generate yet: "
-                   "leave it false")
     if not isinstance(body.get("sampling_params"), dict):
         raise _bad("sampling_params", "an object of vLLM SamplingParams fields is required "
                    "(e.g. {\"max_tokens\": 64})")
@@ -372,6 +369,8 @@ def generate_request(body: dict, model: str, temperature: float) -> GenerateCall
         raise _bad("features", "multimodal inputs are not served; send token_ids alone")
     stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
     max_tokens = sp.max_tokens if req.is_sampling_param_provided("max_tokens") else None
-    sampling = Sampling(sp.n, max_tokens, stop, sp.logprobs is not None)
+    options = req.stream_options
+    sampling = Sampling(sp.n, max_tokens, stop, sp.logprobs is not None, bool(req.stream),
+                        bool(options is not None and options.include_usage))
     return GenerateCall(list(req.token_ids), sampling, req.output_mode == "text",
                         req.request_id, bool(req.return_token_ids))

@@ -52,7 +52,7 @@ from llamarl.gateway.requests import (
     parse_messages,
 )
 from llamarl.gateway.responses_api import response_body, response_events, responses_request
-from llamarl.gateway.streaming import chat_chunks, completion_chunks
+from llamarl.gateway.streaming import chat_chunks, completion_chunks, generate_chunks
 
 _CHECKS = {"chat": chat_request, "completion": completion_request,
            "generate": generate_request, "messages": messages_request}  # kind -> its request check
@@ -258,8 +258,9 @@ class Gateway:
                                              media_type="text/event-stream")
                 return answer(messages_response(out), 200)
             if stream:
-                events = (chat_chunks if kind == "chat" else completion_chunks)(
-                    out, checked.sampling.include_usage)
+                events = {"chat": chat_chunks, "completion": completion_chunks,
+                          "generate": generate_chunks}[kind](out,
+                                                             checked.sampling.include_usage)
                 return StreamingResponse(iter(events), media_type="text/event-stream")
             return answer(out, status)
 

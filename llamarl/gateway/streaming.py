@@ -107,3 +107,34 @@ def completion_chunks(body: dict, include_usage: bool) -> list[str]:
                         "created": body["created"], "model": body["model"], "choices": [],
                         "usage": body["usage"]}))
     return out + [DONE]
+
+
+def generate_chunks(body: dict, include_usage: bool) -> list[str]:
+    """The /inference/v1/generate body (responses.generate_response) as vLLM's stream: per
+    choice one GenerateTokensStreamResponse (or Text) chunk with its ids (and logprobs, text),
+    finish reason and weight versions, the prompt ids on the first chunk when asked, a usage
+    chunk when stream_options.include_usage, then [DONE]."""
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
+        GenerateTextStreamChoice,
+        GenerateTextStreamResponse,
+        GenerateTokensStreamChoice,
+        GenerateTokensStreamResponse,
+    )
+
+    text = body.get("output_mode") == "text"
+    response = GenerateTextStreamResponse if text else GenerateTokensStreamResponse
+    choice_cls = GenerateTextStreamChoice if text else GenerateTokensStreamChoice
+    out = []
+    for k, choice in enumerate(body["choices"]):
+        fields = {f: choice.get(f) for f in ("index", "finish_reason", "stop_reason",
+                                             "token_ids", "logprobs", "weight_versions")}
+        if text:
+            fields["text"] = choice["text"]
+        chunk = response(request_id=body["request_id"], choices=[choice_cls(**fields)],
+                         prompt_token_ids=body.get("prompt_token_ids") if k == 0 else None)
+        out.append(sse(chunk.model_dump(mode="json", exclude_none=True)))
+    if include_usage:
+        out.append(sse(response(request_id=body["request_id"], choices=[],
+                                usage=body["usage"]).model_dump(mode="json",
+                                                                exclude_none=True)))
+    return out + [DONE]
