@@ -374,3 +374,19 @@ def test_peek_reads_a_key_without_waiting_or_setting_it(store):
     assert peek(store, "done/7") == b"lost"
     store.delete_key("done/7")
     assert peek(store, "done/7") is None and time.monotonic() - t0 < 2
+
+
+def test_a_join_request_withdrawn_while_it_is_read_never_blocks_the_reader(store):
+    """join/<e> is deleted when a replacement is lost, at any moment. A reader that checked
+    the key and then got it waited when the deletion came in between: TCPStore's get waits
+    for a missing key (here 10 s; the launcher's store, much longer), then raises. CI once saw
+    a trainer end with an error after a replacement was killed (tests/test_gpu_path_on_cpu.py),
+    which that explains. join_request reads in one call that never waits."""
+    roster = Roster(store, 2)
+    t0 = time.monotonic()
+    assert roster.join_request(1) is None
+    assert time.monotonic() - t0 < 1.0  # (a get would have waited the store's 10 s)
+    store.set("join/1", "abc")
+    assert roster.join_request(1) == "abc"
+    store.delete_key("join/1")
+    assert roster.join_request(1) is None

@@ -140,3 +140,32 @@ def test_a_lost_engine_reaches_every_rank_through_the_roster_and_its_replacement
     finally:
         for dog in dogs.values():
             dog.stop()
+
+
+def test_an_ending_rank_ends_even_while_its_main_thread_holds_the_gil():
+    """gloo's ProcessGroup constructor waits for its peers holding the GIL: the watchdog
+    thread ending the rank (Watchdog._die) could not get the GIL back to reach os._exit, and
+    the rank ran on for sync.timeout_s (seen in tests/test_gpu_path_on_cpu.py). Here the main
+    thread holds the GIL in a C sleep of 60 s (ctypes.PyDLL keeps it); the ending thread arms
+    _end_within(1) and then needs the GIL: the process ends with exit code 1 in about 1 s."""
+    import subprocess
+    import sys
+    import time
+
+    code = """
+import ctypes, threading, time
+from llamarl.runtime.watchdog import _end_within
+def ending():
+    _end_within(1.0)
+    time.sleep(0.2)  # (after this it needs the GIL, which the main thread holds)
+    print("reached", flush=True)
+started = threading.Thread(target=ending)
+started.start()
+time.sleep(0.1)
+ctypes.PyDLL(None).sleep(60)
+"""
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=50)
+    assert proc.returncode == 1 and time.monotonic() - t0 < 20, proc
+    assert "reached" not in proc.stdout

@@ -152,11 +152,13 @@ def _job_store(env: DistEnv):
 def _declared_lost(store, rank: int, within_s: float) -> bool:
     """Whether the job marks `rank` lost (`done/<rank>` = "lost", set by the watchdog that
     finds it dead) within `within_s`."""
+    from llamarl.runtime.job_store import peek
+
     deadline = time.monotonic() + within_s
     key = f"done/{rank}"
     try:
         while time.monotonic() < deadline:
-            if store.check([key]) and store.get(key) == b"lost":
+            if peek(store, key) == b"lost":  # (never waits: a replacement deletes it)
                 return True
             time.sleep(0.2)
     except Exception:  # noqa: BLE001 - the store is gone: the job is over, not going on

@@ -75,10 +75,8 @@ class EngineMembers(Members):
         changes = self.roster.changes()
         if changes != self._seen:
             self._seen, self.state = changes, self.roster.read()
-            store = self.rt.store
-            self._requests = {e: store.get(f"join/{e}").decode()
-                              for e in range(self.rt.layout.engines)
-                              if store.check([f"join/{e}"])}
+            requests = {e: self.roster.join_request(e) for e in range(self.rt.layout.engines)}
+            self._requests = {e: n for e, n in requests.items() if n is not None}
         lost = set(self.state.lost)
         out, joining = [], set()
         for e in range(self.rt.layout.engines):
@@ -123,10 +121,9 @@ class EngineMembers(Members):
             return None
         spec = job_group_spec(self.rt, join_group_name(self.rt.role.index, e, n), 0,
                               1 + self.rt.layout.tp)
-        store = self.rt.store
 
         def gone() -> bool:  # lost before it built its end (its join request is withdrawn)
-            return not store.check([f"join/{e}"]) or store.get(f"join/{e}").decode() != n
+            return self.roster.join_request(e) != n
 
         group = make_group(spec, give_up=gone)  # a rendezvous with the replacement
         if group is None:
@@ -152,16 +149,17 @@ class FileMembers:
         """Called at every sync: trainer 0 gives each replacement asking to join its first
         sync (the next one); returns the first sync a live engine (past its read mark) or a
         replacement (from its first sync, until it has read it) may still read."""
-        store, lost = self.rt.store, set(self.roster.read().lost)
+        lost = set(self.roster.read().lost)
         first = sync
         for e, receivers in self.receivers.items():
             mark = min(read_mark(self.directory, j) for j in receivers)
             if e not in lost:
                 first = min(first, mark + 1)
                 continue
-            if not store.check([f"join/{e}"]):
+            n = self.roster.join_request(e)
+            if n is None:
                 continue  # lost, no replacement: what it did not read goes
-            start = replacement_start(self.rt, e, store.get(f"join/{e}").decode(), sync)
+            start = replacement_start(self.rt, e, n, sync)
             if start is None:
                 continue
             if self.rt.role.index == 0 and start == sync + 1:  # chosen just now

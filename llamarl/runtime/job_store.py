@@ -116,3 +116,15 @@ def _bounded_connect(host: str, port: int, where: str) -> dist.TCPStore:
     why = f"{type(box['error']).__name__}" if "error" in box else "no handshake"
     raise StoreError(f"{where} answers but is not a llamarl job store ({why}): another "
                      "program holds the port; set MASTER_PORT to a free port")
+
+
+_ABSENT = "\x00llamarl-absent"
+
+
+def peek(store, key: str) -> bytes | None:
+    """The value of `key`, or None if it is not set, in one store call that never waits (a
+    check then a get would wait for a key deleted in between: a replacement deletes its
+    `done/<rank>`). TCPStore's compare_set with an expected value that is never stored sets
+    nothing and returns that value for a missing key, else the key's value."""
+    value = store.compare_set(key, _ABSENT, _ABSENT)
+    return None if value == _ABSENT.encode() else value

@@ -21,6 +21,8 @@ import json
 import time
 from dataclasses import dataclass, field
 
+from llamarl.runtime.job_store import peek
+
 KEY = "roster"
 LOCK = "roster/lock"
 # bumped by every roster change and every replacement's request to join: a reader on a hot
@@ -67,6 +69,13 @@ class Roster:
         if not self.store.check([KEY]):
             return RosterState(self.engines)
         return RosterState.from_json(self.store.get(KEY))
+
+    def join_request(self, engine: int) -> str | None:
+        """The replacement asking to join as `engine` (`join/<engine>`), or None: one store
+        call that never waits (the key is deleted when the engine or its replacement is
+        lost, and a check then a get would wait forever for a key deleted in between)."""
+        value = peek(self.store, f"join/{engine}")
+        return None if value is None else value.decode()
 
     def changes(self) -> int:
         """How many times the roster or the join requests changed (one store round trip)."""

@@ -37,6 +37,7 @@ still alive never publishes a batch after its slot was given to another engine. 
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -46,6 +47,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from llamarl.runtime.job_store import peek
 from llamarl.runtime.layout import Layout
 from llamarl.runtime.roster import CHANGES, Roster
 
@@ -64,6 +66,9 @@ PROCS = "procs"
 # read why and mark themselves stopped before it ends, and the store with it:
 # Watchdog._linger_for_peers
 STORE_HOST_LINGER_S = 2.0
+# A rank that is ending (Watchdog._die) is made to end within this, whatever its threads do
+# (_end_within)
+DIE_DEADLINE_S = 10.0
 
 
 class Watchdog:
@@ -540,6 +545,7 @@ class Watchdog:
         if not holding:
             self._ending.acquire()
         say(f"llamarl: {self.role_name(self.rank)}: {prefix}{cause}")
+        _end_within(DIE_DEADLINE_S)
         if store is not None:
             try:
                 store.compare_set("failed", "", cause)
@@ -554,6 +560,18 @@ class Watchdog:
             except Exception:
                 pass
         os._exit(code)
+
+
+def _end_within(seconds: float) -> None:
+    """End this process (exit code 1) in `seconds` unless it has ended by then, by a C thread
+    that needs no GIL (faulthandler's timer; its stack dump goes nowhere). The main thread may
+    be blocked in a C++ call that holds the GIL: gloo's ProcessGroup constructor waits for its
+    peers holding it, so a trainer making its group when a peer died was stuck there, and the
+    watchdog thread, back from one store call, never got the GIL again to reach os._exit
+    (tests/test_gpu_path_on_cpu.py saw rank 0 print its stop line and run on for the gloo
+    timeout, sync.timeout_s)."""
+    devnull = open(os.devnull, "w")  # noqa: SIM115 - faulthandler holds it until it fires
+    faulthandler.dump_traceback_later(seconds, exit=True, file=devnull)
 
 
 def store_keys_per_sweep() -> int:
@@ -592,15 +610,3 @@ def _alive(pid: int) -> bool:
         return False
     except OSError:
         return True
-
-
-_ABSENT = "\x00llamarl-absent"
-
-
-def peek(store, key: str) -> bytes | None:
-    """The value of `key`, or None if it is not set, in one store call that never waits (a
-    check then a get would wait for a key deleted in between: a replacement deletes its
-    `done/<rank>`). TCPStore's compare_set with an expected value that is never stored sets
-    nothing and returns that value for a missing key, else the key's value."""
-    value = store.compare_set(key, _ABSENT, _ABSENT)
-    return None if value == _ABSENT.encode() else value
