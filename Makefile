@@ -60,6 +60,7 @@ bench: install
 	$(PY) bench/async_pipeline.py
 	$(PY) bench/data_path.py
 	$(PY) bench/multi_turn_concurrency.py
+	$(PY) bench/agent_streaming.py
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 3 bench/weight_sync.py --model tiny --rounds 20 --cycles 5
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 3 bench/weight_sync.py --model 100m
 	$(PY) bench/weight_reshard.py --model 100m

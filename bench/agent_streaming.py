@@ -2,10 +2,13 @@
 task): the tiny lookup task's agent episodes (llamarl/envs/lookup_agent.py) collected
 through the gateway with `stream=False` and with `stream=True` (the same agent, reading the
 server-sent events as the openai SDK assembles them), on the same engine, prompts and
-sampler seeds, collections alternating between the two so load drifts hit both alike.
+sampler seeds, collections alternating between the two (and which goes first) so load
+drifts and order effects hit both alike.
 
 Per mode: the median collection time over --repeats (after a warm-up each), the turns per
-episode (the same agent, so the same work), and the ratio streamed / non-streamed.
+episode (the same agent, so the same work), the engine's busy share and steps per collection,
+and the ratio streamed / non-streamed; and one call's HTTP round trip, plain and streamed,
+with no engine (what the events cost by themselves).
 
     python bench/agent_streaming.py [--prompts 32] [--samples 8] [--repeats 7]
 """
@@ -45,6 +48,49 @@ def streamed_lookup_agent(client: openai.OpenAI, row: dict) -> dict:
     return {"reward": lookup_reward(turn, row["answer"]), "metrics": {"tool_calls": calls}}
 
 
+def http_round_trip(calls: int = 300) -> dict:
+    """Median round trip of one /v1/completions call, plain and streamed, through uvicorn,
+    FastAPI and the gateway's queue, answered at once by a thread (no engine): what the
+    server-sent events cost a call by themselves."""
+    import threading
+    import time
+
+    import httpx
+
+    from llamarl.gateway.server import Gateway, resolve
+
+    g = Gateway("policy", 1.0)
+    g.start()
+    key, done = g.open_episode(0), threading.Event()
+    body = {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "policy",
+            "choices": [{"index": 0, "text": "ok", "finish_reason": "stop", "logprobs": None}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+
+    def answer():
+        while not done.is_set():
+            try:
+                resolve(g.calls.get(timeout=0.05), 200, body)
+            except Exception:  # noqa: BLE001 - queue.Empty
+                pass
+
+    threading.Thread(target=answer, daemon=True).start()
+    client = openai.OpenAI(base_url=g.base_url, api_key=key, max_retries=0,
+                           http_client=httpx.Client(trust_env=False))
+    lat: dict[str, list[float]] = {"plain": [], "streamed": []}
+    for i in range(2 * calls):  # alternating
+        mode = "streamed" if i % 2 else "plain"
+        t0 = time.perf_counter()
+        if mode == "streamed":
+            for _chunk in client.completions.create(model="policy", prompt="ab=", stream=True):
+                pass
+        else:
+            client.completions.create(model="policy", prompt="ab=")
+        lat[mode].append(time.perf_counter() - t0)
+    done.set()
+    g.close()
+    return {f"{m}_ms_median": round(1000 * statistics.median(v), 2) for m, v in lat.items()}
+
+
 def main() -> None:
     import torch
 
@@ -69,6 +115,9 @@ def main() -> None:
              "streamed": "rollout.agent=agent_streaming:streamed_lookup_agent"}
     engine, sources, times = None, {}, {m: [] for m in modes}
     turns = {m: [] for m in modes}
+    busy = {m: [] for m in modes}  # the engine stepped for this share of the collection
+    steps = {m: [] for m in modes}  # engine steps per collection
+    stepped = [0]
     try:
         for name, agent in modes.items():
             cfg = load_config("recipes/tiny_tool_cpu.yaml", [
@@ -76,16 +125,26 @@ def main() -> None:
             if engine is None:
                 engine = Engine(str(path), cfg.generator, "float32", 0, True,
                                 sequences=args.prompts * args.samples)
+                def counted_step(step=engine.step):  # engine steps (the calls' batching)
+                    out = step()
+                    stepped[0] += 1
+                    return out
+
+                engine.step = counted_step
             fmt = PromptFormatter(engine.tokenizer)
             sources[name] = build_source(SourceContext(cfg, engine, engine.tokenizer, fmt,
                                                        None, 0))
         prompts = fmt.encode(lookup_task.sample_examples(args.prompts, "train", 0))
-        for r in range(args.repeats + 1):  # alternating; the first of each is a warm-up
-            for name, source in sources.items():
+        for r in range(args.repeats + 1):  # alternating, which goes first too; the first
+            # of each is a warm-up
+            for name, source in sorted(sources.items(), reverse=bool(r % 2)):
+                stepped[0] = 0
                 m = source.collect(prompts, args.samples, 1.0, 1000 + r, 0, step=r).metrics
                 if r:
                     times[name].append(m["collect_s"])
                     turns[name].append(m["turns"] / m["episodes"])
+                    busy[name].append(m["engine_busy_s"] / m["collect_s"])
+                    steps[name].append(stepped[0])
     finally:
         for source in sources.values():
             source.close()
@@ -93,9 +152,12 @@ def main() -> None:
               args.prompts * args.samples, "repeats": args.repeats,
               **{name: {"collect_s_median": round(statistics.median(times[name]), 3),
                         "collect_s": [round(t, 3) for t in times[name]],
-                        "turns_per_episode_median": round(statistics.median(turns[name]), 3)}
+                        "turns_per_episode_median": round(statistics.median(turns[name]), 3),
+                        "engine_busy_share_median": round(statistics.median(busy[name]), 3),
+                        "engine_steps_median": statistics.median(steps[name])}
                  for name in modes},
               "load_average_1m": round(os.getloadavg()[0], 2)}
+    result["http_round_trip"] = http_round_trip()
     result["ratio_streamed_over_non_streamed"] = round(
         result["streamed"]["collect_s_median"] / result["non_streamed"]["collect_s_median"], 3)
     print(json.dumps(result, indent=1))
