@@ -20,11 +20,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from llamarl.gateway.requests import ChatRequest, GatewayError, chat_request
-
-
-def _bad(param: str, what: str) -> GatewayError:
-    return GatewayError(400, f"{param}: {what}", param=param, code="invalid_value")
+from llamarl.gateway.requests import ChatRequest, GatewayError, _bad, chat_request
 
 
 def messages_request(body: dict, model: str, temperature: float) -> ChatRequest:

@@ -29,15 +29,11 @@ import json
 import time
 from collections.abc import Callable
 
-from llamarl.gateway.requests import ChatRequest, GatewayError, chat_request
+from llamarl.gateway.requests import ChatRequest, GatewayError, _bad, chat_request
 
 # Responses-API parameters the training sampler cannot honour (beside the chat ones)
 _REFUSED = {"top_k": (None, 0, -1), "min_p": (None, 0, 0.0), "background": (None, False),
             "reasoning": (None,), "prompt": (None,)}
-
-
-def _bad(param: str, what: str) -> GatewayError:
-    return GatewayError(400, f"{param}: {what}", param=param, code="invalid_value")
 
 
 def responses_request(body: dict, model: str, temperature: float,
