@@ -13,7 +13,7 @@ srun-style (one process per rank, no agent to kill the others), the tiny model.
   for weights and before its first sync is given up (weight_members.py: its join groups'
   making, which before waited for it for sync.timeout_s), and the job goes on.
 
-The 4 + 4 layout itself, with more kills: bench/gpu_path_on_cpu.py (docs/scaling.md)."""
+The 4 + 4 layout itself, with more kills, as a benchmark: not written yet (docs/scaling.md)."""
 
 from __future__ import annotations
 
