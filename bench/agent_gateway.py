@@ -52,14 +52,13 @@ def timed_lookup_agent(client, row):
     return out
 
 
-def http_only(calls: int = 300) -> dict:
-    """Median round trip of /v1/completions through uvicorn, FastAPI and the gateway's queue,
-    answered by a thread at once; the openai client's and the server thread's CPU per call."""
+def echo_gateway():
+    """A started gateway whose completion calls a thread answers at once ("ok"), an openai
+    client on it, and a stop() that ends both: the HTTP layer alone, with no engine."""
     import threading
 
     import httpx
     import openai
-    import psutil
 
     from llamarl.gateway.server import Gateway, resolve
 
@@ -78,14 +77,30 @@ def http_only(calls: int = 300) -> dict:
                 pass
 
     threading.Thread(target=answer, daemon=True).start()
+    client = openai.OpenAI(base_url=g.base_url, api_key=key, max_retries=0,
+                           http_client=httpx.Client(trust_env=False, verify=False))
+
+    def stop():
+        done.set()
+        g.close()
+
+    return client, stop
+
+
+def http_only(calls: int = 300) -> dict:
+    """Median round trip of /v1/completions through uvicorn, FastAPI and the gateway's queue,
+    answered by a thread at once; the openai client's and the server thread's CPU per call."""
+    import threading
+
+    import psutil
+
+    client, stop = echo_gateway()
     server = next(t for t in threading.enumerate() if t.name == "llamarl-gateway").native_id
     me = psutil.Process()
 
     def server_cpu():
         return next(t.user_time + t.system_time for t in me.threads() if t.id == server)
 
-    client = openai.OpenAI(base_url=g.base_url, api_key=key, max_retries=0,
-                           http_client=httpx.Client(trust_env=False, verify=False))
     lat, cpu0, s0 = [], time.thread_time(), server_cpu()
     for _ in range(calls):
         t0 = time.perf_counter()
@@ -94,8 +109,7 @@ def http_only(calls: int = 300) -> dict:
     out = {"median_ms_per_call": round(1000 * statistics.median(lat), 2),
            "client_cpu_ms_per_call": round(1000 * (time.thread_time() - cpu0) / calls, 2),
            "server_cpu_ms_per_call": round(1000 * (server_cpu() - s0) / calls, 2)}
-    done.set()
-    g.close()
+    stop()
     return out
 
 

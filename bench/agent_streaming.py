@@ -52,30 +52,11 @@ def http_round_trip(calls: int = 300) -> dict:
     """Median round trip of one /v1/completions call, plain and streamed, through uvicorn,
     FastAPI and the gateway's queue, answered at once by a thread (no engine): what the
     server-sent events cost a call by themselves."""
-    import threading
     import time
 
-    import httpx
+    from agent_gateway import echo_gateway
 
-    from llamarl.gateway.server import Gateway, resolve
-
-    g = Gateway("policy", 1.0)
-    g.start()
-    key, done = g.open_episode(0), threading.Event()
-    body = {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "policy",
-            "choices": [{"index": 0, "text": "ok", "finish_reason": "stop", "logprobs": None}],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
-
-    def answer():
-        while not done.is_set():
-            try:
-                resolve(g.calls.get(timeout=0.05), 200, body)
-            except Exception:  # noqa: BLE001 - queue.Empty
-                pass
-
-    threading.Thread(target=answer, daemon=True).start()
-    client = openai.OpenAI(base_url=g.base_url, api_key=key, max_retries=0,
-                           http_client=httpx.Client(trust_env=False))
+    client, stop = echo_gateway()
     lat: dict[str, list[float]] = {"plain": [], "streamed": []}
     for i in range(2 * calls):  # alternating
         mode = "streamed" if i % 2 else "plain"
@@ -86,8 +67,7 @@ def http_round_trip(calls: int = 300) -> dict:
         else:
             client.completions.create(model="policy", prompt="ab=")
         lat[mode].append(time.perf_counter() - t0)
-    done.set()
-    g.close()
+    stop()
     return {f"{m}_ms_median": round(1000 * statistics.median(v), 2) for m, v in lat.items()}
 
 
