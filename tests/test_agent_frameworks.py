@@ -7,36 +7,18 @@ bench/ work (docs/agents.md)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
 
 @pytest.fixture(scope="module")
 def frameworks(tmp_path_factory):
-    import torch
-    from conftest import DIST, ROOT, child_env
-    from test_multi_turn import chat_tokenizer
-    from transformers import Qwen2ForCausalLM
-
-    from llamarl.tiny.model import build_config, save_hf_dir
+    from test_agent_gateway import run_on_chat_model
 
     pytest.importorskip("langgraph")
     pytest.importorskip("smolagents")
-    tok = chat_tokenizer()
-    config = build_config(len(tok))
-    config.eos_token_id = tok.eos_token_id
-    config.max_position_embeddings = 4096  # (the frameworks' prompts are long)
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
-    path = tmp_path_factory.mktemp("chat") / "model"
-    save_hf_dir(path, model.state_dict(), model.config, tok)
-    proc = subprocess.run([sys.executable, str(DIST / "agent_frameworks.py"), str(path)],
-                          cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    # (4096 positions: the frameworks' prompts are long)
+    return run_on_chat_model("agent_frameworks.py", tmp_path_factory.mktemp("chat") / "model",
+                             positions=4096)
 
 
 @pytest.mark.parametrize("agent", ["langgraph_agent", "smolagents_agent"])

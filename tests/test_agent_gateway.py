@@ -299,9 +299,9 @@ def test_what_an_agent_returns_must_be_a_reward():
             agent_result(bad)
 
 
-@pytest.fixture(scope="module")
-def live(tmp_path_factory):
-    """The episodes of tests/dist/agent_episodes.py on a tiny chat model (random weights)."""
+def run_on_chat_model(script: str, path, positions: int = 128) -> dict:
+    """A tiny chat model (random weights, chat_tokenizer, `positions` positions) saved at
+    `path`, and the JSON that tests/dist/`script` prints for it."""
     import torch
     from conftest import DIST, ROOT, child_env
     from transformers import Qwen2ForCausalLM
@@ -311,14 +311,20 @@ def live(tmp_path_factory):
     tok = chat_tokenizer()
     config = build_config(len(tok))
     config.eos_token_id = tok.eos_token_id
+    config.max_position_embeddings = positions
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
-    path = tmp_path_factory.mktemp("chat") / "model"
     save_hf_dir(path, model.state_dict(), model.config, tok)
-    proc = subprocess.run([sys.executable, str(DIST / "agent_episodes.py"), str(path)],
+    proc = subprocess.run([sys.executable, str(DIST / script), str(path)],
                           cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    """The episodes of tests/dist/agent_episodes.py on a tiny chat model (random weights)."""
+    return run_on_chat_model("agent_episodes.py", tmp_path_factory.mktemp("chat") / "model")
 
 
 def _engine_chain(live, episode: int, calls: list[int]) -> list[int]:
