@@ -54,6 +54,10 @@ from llamarl.gateway.requests import (
 from llamarl.gateway.responses_api import response_body, response_events, responses_request
 from llamarl.gateway.streaming import chat_chunks, completion_chunks, generate_chunks
 
+# POST path -> the kind of call it is (serve)
+_ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completion",
+           "/v1/responses": "responses", "/v1/messages": "messages",
+           "/inference/v1/generate": "generate"}
 _CHECKS = {"chat": chat_request, "completion": completion_request,
            "generate": generate_request, "messages": messages_request}  # kind -> its request check
 
@@ -264,25 +268,13 @@ class Gateway:
                 return StreamingResponse(iter(events), media_type="text/event-stream")
             return answer(out, status)
 
-        @app.post("/v1/chat/completions")
-        async def chat(request: Request):
-            return await serve(request, "chat")
+        def route(kind: str):
+            async def handler(request: Request):
+                return await serve(request, kind)
+            return handler
 
-        @app.post("/v1/completions")
-        async def completions(request: Request):
-            return await serve(request, "completion")
-
-        @app.post("/v1/responses")
-        async def responses(request: Request):
-            return await serve(request, "responses")
-
-        @app.post("/v1/messages")
-        async def messages(request: Request):
-            return await serve(request, "messages")
-
-        @app.post("/inference/v1/generate")
-        async def generate(request: Request):
-            return await serve(request, "generate")
+        for path, kind in _ROUTES.items():
+            app.post(path)(route(kind))
 
         return app
 
