@@ -58,6 +58,24 @@ def test_a_group_whose_peers_all_come_is_made_with_give_up(store_port):
     assert torch.equal(x, y)
 
 
+def test_a_make_that_fails_as_its_peer_dies_is_given_up_not_raised(store_port, monkeypatch):
+    """A peer killed halfway through the rendezvous makes gloo's connect fail (connection
+    refused) before the watchdogs have declared it lost: make_group keeps asking give_up() and
+    returns None once they have; a failure whose peer is never declared gone is raised after
+    GIVE_UP_GRACE_S. (The real kill: tests/test_gpu_path_on_cpu.py, the killed replacement.)"""
+    import llamarl.parallel.groups as groups
+
+    def refused(spec, store):
+        raise RuntimeError("Gloo connectFullMesh failed: Connection refused")
+
+    monkeypatch.setattr(groups, "_connected", refused)
+    declared_at = time.monotonic() + 0.5
+    assert make_group(_spec(store_port, 0), give_up=lambda: time.monotonic() > declared_at) is None
+    monkeypatch.setattr(groups, "GIVE_UP_GRACE_S", 0.3)
+    with pytest.raises(RuntimeError, match="Connection refused"):
+        make_group(_spec(store_port, 0), give_up=lambda: False)
+
+
 def test_lazy_gloo_meets_at_its_first_operation(store_port, monkeypatch):
     """LAZY_GROUPS_ENV: a lazy group knows its rank and size without its peer; made through
     make_group it is connected before it is returned (the peer must be there: given up here),

@@ -13,6 +13,7 @@ Backends: NCCL for GPU tensors, gloo on CPU.
 from __future__ import annotations
 
 import os
+import time
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,6 +61,10 @@ def planned_spec(rt, group, global_rank: int | None = None) -> GroupSpec:
 # (connect), so no operation of the job ever is a group's first.
 LAZY_GROUPS_ENV = "LLAMARL_LAZY_GROUPS"
 GIVE_UP_POLL_S = 0.05  # how often a group being made asks whether its peer is gone
+# how long a group that failed to be made (a peer died in the rendezvous: gloo's connect is
+# refused) still asks whether the peer is gone before raising: the watchdogs see a dead peer
+# within a few heartbeats (runtime/watchdog.py: STALE_S), a loaded machine many times that
+GIVE_UP_GRACE_S = 60.0
 
 
 def make_group(spec: GroupSpec, store: dist.Store | None = None,
@@ -72,8 +77,11 @@ def make_group(spec: GroupSpec, store: dist.Store | None = None,
     `give_up()`: asked every GIVE_UP_POLL_S while the members are not all there (the group is
     then made on a thread of its own); True gives up the group (a peer is gone for good, e.g.
     a replacement engine lost before it was back): None is returned, and the thread, waiting
-    in the store or in NCCL's bootstrap, ends with sync.timeout_s. Without `give_up` a lost
-    peer ends this process through the watchdog (runtime/watchdog.py)."""
+    in the store or in NCCL's bootstrap, ends with sync.timeout_s. A make that fails (a peer
+    died halfway through the rendezvous) keeps asking for GIVE_UP_GRACE_S before it raises:
+    the peer's death is declared by the watchdogs a moment after the connection is refused.
+    Without `give_up` a lost peer ends this process through the watchdog
+    (runtime/watchdog.py)."""
     if give_up is None:
         return _connected(spec, store)
     made: list = []
@@ -92,8 +100,11 @@ def make_group(spec: GroupSpec, store: dist.Store | None = None,
         if thread.is_alive() and give_up():
             return None
     if failed:
-        if give_up():
-            return None
+        deadline = time.monotonic() + GIVE_UP_GRACE_S
+        while time.monotonic() < deadline:
+            if give_up():
+                return None
+            time.sleep(GIVE_UP_POLL_S)
         raise failed[0]
     return made[0]
 
