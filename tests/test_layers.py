@@ -36,6 +36,7 @@ FLOORS: list[set[str]] = [
     {"rollout"},  # rollout sources, episode runners
     {"envs"},  # the built-in environments and agents
     {"trainer", "generator"},  # the two roles
+    {"service"},  # the Tinker-compatible service: tenants on the trainer's model, its HTTP API
     {"launch", "export", "plot", "model_check", "__init__"},  # entry points
 ]
 
