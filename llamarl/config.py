@@ -438,6 +438,21 @@ class BufferConfig:
 
 
 @dataclass
+class ServiceConfig:
+    """Training as a service (`python -m llamarl.service RECIPE`, docs/service.md): a server of
+    the Tinker API with LoRA tenants on the recipe's model.path."""
+
+    host: str = "127.0.0.1"  # 0.0.0.0 to serve other machines
+    port: int = 8000  # 0 = a free port (printed)
+    max_tenants: int = 4  # LoRA training clients held at once, 1..64
+    max_tokens: int = 2048  # a datum's positions at most
+    # a session whose client sent no heartbeat (or request) for this long is ended and its
+    # training clients freed; their saved states stay on disk
+    session_timeout_s: float = 120.0
+    dir: str = ""  # checkpoints (save_state, sampler weights); "" = run.output_dir/run.name/service
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -450,6 +465,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     buffer: BufferConfig = field(default_factory=BufferConfig)
+    service: ServiceConfig = field(default_factory=ServiceConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -613,6 +629,7 @@ def validate(cfg: Config) -> Config:
                   "use one of " + ", ".join(f"smollm2:{v}" for v in VARIANTS))
     _validate_reward(cfg)
     _validate_lora(cfg)
+    _validate_service(cfg.service)
     _validate_rollout(cfg)
     _validate_continuous(cfg)
     _validate_data(cfg.data)
@@ -658,6 +675,17 @@ def reshards(cfg: Config) -> bool:
     (sync.reshard). Not for adapters: every tp rank gets them whole and vLLM's LoRA layers
     slice them (set_lora), so the bytes are r (in + out) per linear either way."""
     return cfg.sync.reshard and not adapter_sync(cfg)
+
+
+def _validate_service(svc: ServiceConfig) -> None:
+    if not 0 <= svc.port <= 65535:
+        _fail("service.port", svc.port, "give a TCP port (0 = a free one)")
+    if not 1 <= svc.max_tenants <= 64:
+        _fail("service.max_tenants", svc.max_tenants, "give 1 to 64")
+    if svc.max_tokens < 2:
+        _fail("service.max_tokens", svc.max_tokens, "give at least 2")
+    if not svc.session_timeout_s > 0:
+        _fail("service.session_timeout_s", svc.session_timeout_s, "give seconds > 0")
 
 
 def _validate_lora(cfg: Config) -> None:

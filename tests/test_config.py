@@ -41,7 +41,8 @@ def test_every_recipe_loads_and_opens_with_its_launch_command(recipe, tmp_path, 
     head = recipe.read_text().splitlines()[:6]
     assert head[0].startswith("#"), "a recipe opens with a comment saying what it trains"
     launch = [line for line in head if "torchrun" in line]
-    assert launch or any("srun" in line or "sbatch" in line for line in head)
+    served = [line for line in head if f"python -m llamarl.service recipes/{recipe.name}" in line]
+    assert launch or served or any("srun" in line or "sbatch" in line for line in head)
     for line in launch:  # the command starts exactly the ranks the layout needs
         nproc = int(re.search(r"--nproc-per-node[ =](\d+)", line).group(1))
         nodes = re.search(r"--nnodes[ =](\d+)", line)

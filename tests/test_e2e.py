@@ -231,12 +231,13 @@ def test_plot_writes_charts_and_a_chrome_trace(finished_run):
 # smollm2_distill_cpu.yaml (test_smollm2_e2e.py; the latter's teacher takes minutes to train),
 # smollm2_tool_cpu.yaml and smollm2_agent_cpu.yaml (test_smollm2_e2e.py), tiny_grpo_lora_cpu.yaml
 # (test_resume.py; and 100 of its steps in test_lora.py), tiny_grpo_jsonl_cpu.yaml
-# (test_data_e2e.py, with malformed rows).
+# (test_data_e2e.py, with malformed rows), serve_smollm2_cpu.yaml (test_service_api.py: it
+# starts the Tinker service, not a training run).
 ELSEWHERE = {"tiny_tool_cpu.yaml", "tiny_grpo_cpu.yaml", "tiny_ppo_cpu.yaml",
              "tiny_grpo_tp2_cpu.yaml", "tiny_grpo_async_cpu.yaml", "tiny_distill_cpu.yaml",
              "tiny_agent_cpu.yaml", "smollm2_add_cpu.yaml", "smollm2_distill_cpu.yaml",
              "smollm2_tool_cpu.yaml", "smollm2_agent_cpu.yaml", "tiny_grpo_lora_cpu.yaml",
-             "tiny_grpo_jsonl_cpu.yaml"}
+             "tiny_grpo_jsonl_cpu.yaml", "serve_smollm2_cpu.yaml"}
 CPU_RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*_cpu.yaml")
                      if p.name not in ELSEWHERE)
 
@@ -246,7 +247,7 @@ def test_every_cpu_recipe_is_launched_by_some_test():
     tests = {name: (ROOT / "tests" / name).read_text() for name in
              ("test_multi_turn.py", "test_resume.py", "test_tp.py", "test_async_e2e.py",
               "test_distill.py", "test_agent_gateway.py", "test_smollm2_e2e.py",
-              "test_data_e2e.py")}
+              "test_data_e2e.py", "test_service_api.py")}
     for recipe in ELSEWHERE - {"tiny_grpo_cpu.yaml"}:  # (RECIPE, in this file)
         assert any(f"recipes/{recipe}" in text for text in tests.values()), recipe
     assert RECIPE == "recipes/tiny_grpo_cpu.yaml"

@@ -13,8 +13,8 @@ Backends: NCCL for GPU tensors, gloo on CPU.
 from __future__ import annotations
 
 import os
-import time
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta

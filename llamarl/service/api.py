@@ -1,0 +1,321 @@
+"""The HTTP API the Tinker SDK calls (`tinker.ServiceClient(base_url=...)`), on FastAPI, with
+the tenants of service/tenants.py behind it (docs/service.md).
+
+The SDK's protocol, as read from tinker 0.38 (`tinker/resources/`, `lib/api_future_impl.py`):
+
+* a session (`create_session`, `session_heartbeat` every few seconds) owns training clients
+  (`create_model`: model id `<session>:train:<n>`); a session silent for
+  service.session_timeout_s is ended and its models freed (their saved states stay);
+* every training call is **submitted** (the answer is a future's `request_id` at once) and its
+  result **retrieved** (`retrieve_future`, polled; here long-polled for up to LONG_POLL_S,
+  then `{"type": "try_again"}`); a failed request resolves to `{"error", "category"}`, which
+  the SDK raises as RequestFailedError; a malformed submission is a 400 with the reason;
+* one training client submits its calls one at a time, in `seq_id` order (the SDK waits
+  for each submission's answer before the next: `_take_turn`), and one worker thread runs
+  every submitted call in arrival order, so a model's calls run in its order and an
+  `optim_step` runs after the `forward_backward` calls before it; a retried submission
+  (same model, same seq_id, same route) gets the first one's future back, not a second run;
+* forward_backward arrives as the SDK's protobuf and its result goes back as protobuf
+  (service/wire.py); the rest is JSON of the SDK's pydantic types.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import queue
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from llamarl.service.tenants import AdamStep, LoraSpec, LoraTenants
+
+LONG_POLL_S = 20.0  # a retrieve_future waits this long for its result (the SDK's own is 45 s)
+TINKER_SCHEME = "tinker://"
+
+
+@dataclass
+class Future:
+    """One submitted call: pending until the worker sets `result` (a dict for JSON, bytes for
+    protobuf) or `error`."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    result: dict | bytes | None = None
+    error: str | None = None
+    category: str = "user"
+
+
+@dataclass
+class Session:
+    last_seen: float
+    models: list[str] = field(default_factory=list)
+
+
+class TinkerService:
+    """The server's state: sessions, models (model id -> tenant), futures and the worker that
+    runs the calls. `base_model`: the name clients pass (and get_info reports);
+    `tokenizer_id`: what the SDK's get_tokenizer loads (the model's local directory, so it
+    works offline)."""
+
+    def __init__(self, tenants: LoraTenants, base_model: str, tokenizer_id: str,
+                 directory: Path, session_timeout_s: float, max_context: int):
+        self.tenants, self.base_model, self.tokenizer_id = tenants, base_model, tokenizer_id
+        self.directory, self.session_timeout_s = Path(directory), session_timeout_s
+        self.max_context = max_context
+        self.sessions: dict[str, Session] = {}
+        self.models: dict[str, str] = {}  # model id -> tenant (adapter) name
+        self.futures: dict[str, Future] = {}
+        self.submitted: dict[tuple, str] = {}  # (route, model id, seq_id) -> request id
+        self.lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._jobs: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._work, daemon=True,
+                                          name="llamarl-service-worker"),
+                         threading.Thread(target=self._reap, daemon=True,
+                                          name="llamarl-service-reaper")]
+        for t in self._threads:
+            t.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._jobs.put(None)
+
+    # --- futures -------------------------------------------------------------------------
+
+    def submit(self, route: str, model_id: str | None, seq_id: int | None,
+               run: Callable[[], dict | bytes]) -> str:
+        """Queue `run` for the worker; the request id of its future. A submission already
+        seen (a retry) returns the first one's id."""
+        key = (route, model_id, seq_id)
+        with self.lock:
+            if seq_id is not None and key in self.submitted:
+                return self.submitted[key]
+            request_id = f"req-{next(self._ids)}"
+            self.futures[request_id] = Future()
+            if seq_id is not None:
+                self.submitted[key] = request_id
+        self._jobs.put((request_id, run))
+        return request_id
+
+    def _work(self) -> None:
+        while not self._stop.is_set():
+            job = self._jobs.get()
+            if job is None:
+                return
+            request_id, run = job
+            if request_id is None:  # housekeeping (a session's models dropped)
+                run()
+                continue
+            future = self.futures[request_id]
+            try:
+                future.result = run()
+            except (ValueError, KeyError) as e:  # the request's fault: told to its client
+                future.error = str(e).strip("'\"")
+            except Exception as e:  # noqa: BLE001 - the server's fault: told, and it goes on
+                future.error, future.category = f"{type(e).__name__}: {e}", "server"
+            future.done.set()
+
+    def retrieve(self, request_id: str, timeout: float = LONG_POLL_S) -> Future | None:
+        future = self.futures.get(request_id)
+        if future is not None:
+            future.done.wait(timeout)
+        return future
+
+    # --- sessions ------------------------------------------------------------------------
+
+    def create_session(self) -> str:
+        with self.lock:
+            session_id = f"s{next(self._ids)}-{int(time.time())}"
+            self.sessions[session_id] = Session(time.monotonic())
+            return session_id
+
+    def touch(self, session_id: str) -> None:
+        with self.lock:
+            if session_id not in self.sessions:
+                raise KeyError(f"no session {session_id!r} on this server (ended after "
+                               f"{self.session_timeout_s:.0f} s without a heartbeat, or the "
+                               "server restarted): start a new ServiceClient")
+            self.sessions[session_id].last_seen = time.monotonic()
+
+    def end_session(self, session_id: str) -> None:
+        with self.lock:
+            session = self.sessions.pop(session_id, None)
+        for model_id in session.models if session else ():
+            self._jobs.put((None, lambda m=model_id: self._drop(m)))
+
+    def _drop(self, model_id: str) -> None:
+        with self.lock:
+            name = self.models.pop(model_id, None)
+        if name is not None:
+            self.tenants.remove(name)
+
+    def _reap(self) -> None:
+        while not self._stop.wait(1.0):
+            now = time.monotonic()
+            with self.lock:
+                gone = [s for s, v in self.sessions.items()
+                        if now - v.last_seen > self.session_timeout_s]
+            for session_id in gone:
+                print(f"llamarl service: session {session_id} sent nothing for "
+                      f"{self.session_timeout_s:.0f} s: ended, its training clients freed",
+                      flush=True)
+                self.end_session(session_id)
+
+    # --- models --------------------------------------------------------------------------
+
+    def tenant_of(self, model_id: str) -> str:
+        with self.lock:
+            name = self.models.get(model_id)
+        if name is None:
+            raise KeyError(f"no model {model_id!r} on this server: create it with "
+                           "create_lora_training_client (a server restart or a session "
+                           "timeout frees models: load their saved state)")
+        return name
+
+    def create_model(self, session_id: str, model_seq_id: int, spec: LoraSpec,
+                     state: dict | None = None) -> dict:
+        model_id = f"{session_id}:train:{model_seq_id}"
+        name = f"t{next(self._ids)}"
+        self.tenants.create(name, spec)
+        if state is not None:
+            try:
+                self.tenants.load_state(name, state, with_optimizer="optimizer" in state)
+            except BaseException:
+                self.tenants.remove(name)
+                raise
+        with self.lock:
+            self.models[model_id] = name
+            if session_id in self.sessions:
+                self.sessions[session_id].models.append(model_id)
+        return {"model_id": model_id, "type": "create_model"}
+
+    # --- checkpoints ---------------------------------------------------------------------
+
+    def checkpoint_dir(self, model_id: str, kind: str, name: str | None, seq_id) -> tuple[Path,
+                                                                                        str]:
+        """(directory, tinker path) of a checkpoint: `tinker://<model id>/<kind>/<name>`."""
+        name = name or f"step{seq_id}"
+        if not re.fullmatch(r"[A-Za-z0-9_.\-]+", name) or name in (".", ".."):
+            raise ValueError(f"checkpoint name {name!r}: use letters, digits, '_', '-', '.'")
+        return (self.directory / _safe(model_id) / kind / name,
+                f"{TINKER_SCHEME}{model_id}/{kind}/{name}")
+
+    def resolve(self, path: str, kind: str) -> Path:
+        """A tinker:// path (or a local directory) of a saved checkpoint."""
+        if path.startswith(TINKER_SCHEME):
+            model_id, _, rest = path[len(TINKER_SCHEME):].partition("/")
+            local = self.directory / _safe(model_id) / rest
+        else:
+            local = Path(path)
+        if not (local / "meta.json").is_file():
+            raise ValueError(f"no saved {kind} at {path!r}: give a path returned by "
+                             f"save_state / save_weights_for_sampler on this server")
+        return local
+
+    def save_state(self, model_id: str, name: str | None, seq_id) -> dict:
+        directory, path = self.checkpoint_dir(model_id, "weights", name, seq_id)
+        state = self.tenants.state(self.tenant_of(model_id), with_optimizer=True)
+        save_state(directory, state, model_id)
+        return {"path": path, "type": "save_weights"}
+
+    def save_for_sampler(self, model_id: str, name: str | None, seq_id) -> dict:
+        from safetensors.torch import save_file
+
+        directory, path = self.checkpoint_dir(model_id, "sampler_weights", name, seq_id)
+        tenant = self.tenant_of(model_id)
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in self.tenants.adapter_state(tenant).items()},
+                  directory / "adapter_model.safetensors")
+        (directory / "adapter_config.json").write_text(
+            json.dumps(self.tenants.peft_config(tenant), indent=1))
+        (directory / "meta.json").write_text(json.dumps({"model_id": model_id}))
+        return {"path": path, "type": "save_weights_for_sampler"}
+
+
+def save_state(directory: Path, state: dict, model_id: str) -> None:
+    """A tenant's state through DCP (torch.distributed.checkpoint: the adapter, AdamW's
+    moments) and its spec in meta.json, written last: a directory without it is incomplete."""
+    import torch.distributed.checkpoint as dcp
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {"params": {str(i): p for i, p in enumerate(state["params"])}}
+    if "optimizer" in state:
+        tensors["optimizer"] = _str_keys(state["optimizer"])
+    dcp.save(tensors, checkpoint_id=str(directory), no_dist=True)
+    (directory / "meta.json").write_text(json.dumps(
+        {"model_id": model_id, "spec": state["spec"], "steps": state["steps"],
+         "optimizer": "optimizer" in state, "params": len(state["params"]),
+         "shapes": [list(p.shape) for p in state["params"]]}))
+
+
+def load_state(directory: Path, with_optimizer: bool) -> dict:
+    """What save_state wrote, as LoraTenants.load_state reads it."""
+    import torch.distributed.checkpoint as dcp
+
+    meta = json.loads((directory / "meta.json").read_text())
+    if with_optimizer and not meta["optimizer"]:
+        raise ValueError(f"the state at {directory} was saved without its optimizer: load "
+                         "it without (load_state)")
+    tensors = {"params": {str(i): torch.empty(s) for i, s in enumerate(meta["shapes"])}}
+    if with_optimizer:
+        tensors["optimizer"] = _optimizer_template(meta)
+    dcp.load(tensors, checkpoint_id=str(directory), no_dist=True)
+    out = {"spec": meta["spec"], "steps": meta["steps"],
+           "params": [tensors["params"][str(i)] for i in range(meta["params"])]}
+    if with_optimizer:
+        out["optimizer"] = _int_keys(tensors["optimizer"])
+    return out
+
+
+def _str_keys(optimizer_state: dict) -> dict:
+    """AdamW's state_dict with string keys (DCP flattens nested dicts by string keys)."""
+    return {"state": {str(k): dict(v) for k, v in optimizer_state["state"].items()},
+            "param_groups": optimizer_state["param_groups"]}
+
+
+def _int_keys(saved: dict) -> dict:
+    return {"state": {int(k): v for k, v in saved["state"].items()},
+            "param_groups": saved["param_groups"]}
+
+
+def _optimizer_template(meta: dict) -> dict:
+    """Tensors of the right shapes for DCP to load AdamW's state into."""
+    state = {str(i): {"step": torch.zeros(()), "exp_avg": torch.empty(s),
+                      "exp_avg_sq": torch.empty(s)} for i, s in enumerate(meta["shapes"])}
+    group = {"lr": 0.0, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
+             "amsgrad": False, "foreach": None, "maximize": False, "capturable": False,
+             "differentiable": False, "fused": None, "decoupled_weight_decay": True,
+             "params": list(range(meta["params"]))}
+    return {"state": state, "param_groups": [group]}
+
+
+def _safe(model_id: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.\-]", "_", model_id)
+
+
+def spec_of(lora_config: dict | None, default_seed: int) -> LoraSpec:
+    cfg = dict(lora_config or {})
+    if "rank" not in cfg:
+        raise ValueError("create_model needs lora_config.rank: this server trains LoRA "
+                         "adapters only (full fine-tuning is not served)")
+    seed = cfg.get("seed")
+    return LoraSpec(rank=int(cfg["rank"]), seed=default_seed if seed is None else int(seed),
+                    train_mlp=bool(cfg.get("train_mlp", True)),
+                    train_attn=bool(cfg.get("train_attn", True)),
+                    train_unembed=bool(cfg.get("train_unembed", True)))
+
+
+def adam_of(body: dict) -> AdamStep:
+    params = body.get("adam_params") or body.get("optim_params")
+    if params is None:
+        raise ValueError("optim_step needs adam_params (this server runs AdamW only)")
+    if params.get("type", "adam") not in ("adam", "adamw"):
+        raise ValueError(f"optimizer {params.get('type')!r}: this server runs AdamW only")
+    known = {f for f in AdamStep.__dataclass_fields__}
+    return AdamStep(**{k: float(v) for k, v in params.items() if k in known})

@@ -1,0 +1,322 @@
+"""The Tinker service's routes (FastAPI) and its start: `python -m llamarl.service RECIPE`
+(docs/service.md). The state and the worker behind the routes: service/api.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import FastAPI, Request  # (module level: FastAPI reads the annotations here)
+from fastapi.responses import JSONResponse, Response
+
+from llamarl.service.api import TinkerService, adam_of, load_state, spec_of
+from llamarl.service.wire import (
+    PROTOBUF,
+    decode_forward_backward,
+    decompress,
+    forward_backward_output,
+)
+
+API = "/api/v1"
+
+
+def build_app(svc: TinkerService):
+    app = FastAPI(title="llamarl Tinker service")
+
+    def bad(reason: str, status: int = 400) -> JSONResponse:
+        return JSONResponse({"detail": reason}, status_code=status)
+
+    async def body_of(request: Request) -> dict:
+        raw = await request.body()
+        try:
+            body = json.loads(decompress(raw, request.headers.get("content-encoding")) or b"{}")
+        except ValueError as e:
+            raise _Bad(f"the body is not JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise _Bad("the body is not a JSON object")
+        return body
+
+    def queued(request_id: str, **extra) -> dict:
+        return {"request_id": request_id, **extra}
+
+    def need(body: dict, key: str):
+        if key not in body or body[key] is None:
+            raise _Bad(f"the request has no {key!r}")
+        return body[key]
+
+    # a malformed submission: one line, 400 (an unknown model or session: 404)
+    @app.exception_handler(_Bad)
+    @app.exception_handler(ValueError)
+    async def _bad_request(request, exc):
+        return bad(str(exc))
+
+    @app.exception_handler(KeyError)
+    async def _not_found(request, exc):
+        return bad(str(exc).strip("'\""), 404)
+
+    # --- service ---------------------------------------------------------------------------
+
+    @app.api_route(API + "/healthz", methods=["GET", "POST"])
+    async def healthz():
+        return {"status": "ok"}
+
+    @app.api_route(API + "/client/config", methods=["GET", "POST"])
+    async def client_config():
+        # one fwd/bwd request at a time per client (the worker runs them in arrival order),
+        # uncompressed bodies are fine on a local server, and the plain httpx transport
+        return {"pjwt_auth_enabled": False, "parallel_fwdbwd_chunks": False,
+                "proto_compress_fwdbwd": False, "use_pyqwest_transport": False}
+
+    @app.api_route(API + "/client/dynamic_config", methods=["GET", "POST"])
+    async def dynamic_config():
+        return {"refresh_interval_sec": 300}
+
+    @app.api_route(API + "/get_server_capabilities", methods=["GET", "POST"])
+    async def capabilities():
+        return {"supported_models": [{"model_name": svc.base_model, "trainable": True,
+                                      "sampleable": False,
+                                      "max_context_length": svc.max_context}]}
+
+    @app.post(API + "/telemetry")
+    async def telemetry():
+        return {"status": "accepted"}  # (the SDK's usage telemetry: not kept)
+
+    @app.post(API + "/create_session")
+    async def create_session(request: Request):
+        await body_of(request)
+        return {"type": "create_session", "session_id": svc.create_session(),
+                "info_message": f"llamarl: {svc.base_model}, LoRA tenants up to "
+                                f"{svc.tenants.max_tenants}"}
+
+    @app.post(API + "/session_heartbeat")
+    async def heartbeat(request: Request):
+        svc.touch(need(await body_of(request), "session_id"))
+        return {"type": "session_heartbeat"}
+
+    @app.api_route(API + "/sessions/{session_id}/finish", methods=["POST", "PUT"])
+    async def finish(session_id: str):
+        svc.end_session(session_id)
+        return {}
+
+    # --- training --------------------------------------------------------------------------
+
+    @app.post(API + "/create_model")
+    async def create_model(request: Request):
+        body = await body_of(request)
+        session_id, n = need(body, "session_id"), int(need(body, "model_seq_id"))
+        svc.touch(session_id)
+        if body.get("base_model") not in (None, svc.base_model):
+            raise _Bad(f"base_model {body['base_model']!r}: this server trains "
+                       f"{svc.base_model!r} (one base per server)")
+        spec = spec_of(body.get("lora_config"), default_seed=n)
+        model_id = f"{session_id}:train:{n}"
+        rid = svc.submit("create_model", model_id, 0,
+                         lambda: svc.create_model(session_id, n, spec))
+        return queued(rid, model_id=model_id)
+
+    @app.post(API + "/get_info")
+    async def get_info(request: Request):
+        model_id = need(await body_of(request), "model_id")
+        spec = svc.tenants.get(svc.tenant_of(model_id)).spec
+        return {"type": "get_info", "model_id": model_id, "model_name": svc.base_model,
+                "is_lora": True, "lora_rank": spec.rank,
+                "model_data": {"arch": "llamarl", "model_name": svc.base_model,
+                               "tokenizer_id": svc.tokenizer_id}}
+
+    @app.post(API + "/weights_info")
+    async def weights_info(request: Request):
+        body = await body_of(request)
+        meta = json.loads((svc.resolve(need(body, "tinker_path"), "checkpoint")
+                           / "meta.json").read_text())
+        spec = meta.get("spec", {})
+        return {"base_model": svc.base_model, "is_lora": True, "lora_rank": spec.get("rank")}
+
+    @app.post(API + "/forward_backward")
+    async def forward_backward(request: Request):
+        if PROTOBUF not in request.headers.get("content-type", ""):
+            raise _Bad(f"forward_backward takes a protobuf body ({PROTOBUF}), as the tinker "
+                       "SDK sends it")
+        raw = decompress(await request.body(), request.headers.get("content-encoding"))
+        model_id, seq_id, loss_fn, config, data, forward_only = decode_forward_backward(raw)
+        backward = not forward_only
+        name = svc.tenant_of(model_id)
+        svc.tenants.check(data, loss_fn, config)  # a bad batch: 400 now, not a failed future
+        proto = True  # (the SDK's retrieve asks for protobuf for this type)
+
+        def run():
+            out = svc.tenants.forward(name, data, loss_fn, config, backward=backward)
+            metrics = {"loss:sum": out.loss,
+                       "num_tokens:sum": float(sum(len(d.tokens) for d in data))}
+            return forward_backward_output(out.logprobs, metrics, proto)
+
+        rid = svc.submit("forward_backward" if backward else "forward", model_id, seq_id, run)
+        return queued(rid, model_id=model_id)
+
+    @app.post(API + "/optim_step")
+    async def optim_step(request: Request):
+        body = await body_of(request)
+        model_id = need(body, "model_id")
+        name, step = svc.tenant_of(model_id), adam_of(body)
+        rid = svc.submit("optim_step", model_id, body.get("seq_id"),
+                         lambda: {"metrics": svc.tenants.optim_step(name, step)})
+        return queued(rid, model_id=model_id)
+
+    @app.post(API + "/save_weights")
+    async def save_weights(request: Request):
+        body = await body_of(request)
+        model_id = need(body, "model_id")
+        svc.tenant_of(model_id)
+        svc.checkpoint_dir(model_id, "weights", body.get("path"), body.get("seq_id"))
+        rid = svc.submit("save_weights", model_id, body.get("seq_id"),
+                         lambda: svc.save_state(model_id, body.get("path"), body.get("seq_id")))
+        return queued(rid, model_id=model_id)
+
+    @app.post(API + "/save_weights_for_sampler")
+    async def save_for_sampler(request: Request):
+        body = await body_of(request)
+        model_id = need(body, "model_id")
+        svc.tenant_of(model_id)
+        if not body.get("path"):
+            raise _Bad("sampling through this server is not built yet (docs/service.md): "
+                       "save_weights_for_sampler(name) writes the adapter for vLLM, "
+                       "save_weights_and_get_sampling_client is refused")
+        svc.checkpoint_dir(model_id, "sampler_weights", body.get("path"), body.get("seq_id"))
+        rid = svc.submit("save_weights_for_sampler", model_id, body.get("seq_id"),
+                         lambda: svc.save_for_sampler(model_id, body.get("path"),
+                                                      body.get("seq_id")))
+        return queued(rid, model_id=model_id)
+
+    @app.post(API + "/load_weights")
+    async def load_weights(request: Request):
+        body = await body_of(request)
+        path, with_optimizer = need(body, "path"), bool(body.get("optimizer"))
+        directory = svc.resolve(path, "state")
+        if body.get("model_id"):  # into an existing model
+            model_id = body["model_id"]
+            name = svc.tenant_of(model_id)
+
+            def run():
+                svc.tenants.load_state(name, load_state(directory, with_optimizer),
+                                       with_optimizer)
+                return {"path": path, "type": "load_weights"}
+
+            rid = svc.submit("load_weights", model_id, body.get("seq_id"), run)
+            return queued(rid, model_id=model_id)
+        # a new training client from a saved state (create_training_client_from_state)
+        session_id, n = need(body, "session_id"), int(need(body, "model_seq_id"))
+        svc.touch(session_id)
+        model_id = f"{session_id}:train:{n}"
+        meta = json.loads((directory / "meta.json").read_text())
+
+        def create():
+            from llamarl.service.tenants import LoraSpec
+
+            state = load_state(directory, with_optimizer)
+            svc.create_model(session_id, n, LoraSpec(**meta["spec"]), state)
+            return {"path": path, "type": "load_weights"}
+
+        rid = svc.submit("load_weights", model_id, 0, create)
+        return queued(rid, model_id=model_id)
+
+    @app.post(API + "/create_sampling_session")
+    async def create_sampling_session():
+        return bad("sampling through this server is not built yet (docs/service.md): train "
+                   "here, save_weights_for_sampler(name) and serve the adapter with vLLM", 501)
+
+    @app.post(API + "/asample")
+    async def asample():
+        return bad("sampling through this server is not built yet (docs/service.md)", 501)
+
+    @app.post(API + "/retrieve_future")
+    async def retrieve_future(request: Request):
+        request_id = need(await body_of(request), "request_id")
+        future = await asyncio.get_running_loop().run_in_executor(None, svc.retrieve,
+                                                                  request_id)
+        if future is None:
+            return bad(f"no request {request_id!r} on this server", 404)
+        if not future.done.is_set():
+            return {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+        if future.error is not None:
+            return {"error": future.error, "category": future.category}
+        if isinstance(future.result, bytes):
+            return Response(future.result, media_type=PROTOBUF)
+        return future.result
+
+    return app
+
+
+class _Bad(Exception):
+    """A malformed submission: answered 400 with this line."""
+
+
+@dataclass
+class Served:
+    """A bound, not yet serving, service: `serve()` runs until interrupted (or `stop()`)."""
+
+    service: TinkerService
+    server: object  # uvicorn.Server
+    sock: object  # its bound socket
+    url: str
+
+    def serve(self) -> None:
+        try:
+            self.server.run(sockets=[self.sock])
+        finally:
+            self.service.close()
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+
+
+def main(argv: list[str]) -> int:
+    """python -m llamarl.service RECIPE [key=value ...]: load model.path once and serve it."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.split("\n\n")[0] + "\nusage: python -m llamarl.service RECIPE "
+              "[key=value ...]", file=sys.stderr)
+        return 2
+    try:
+        served = start(argv[0], argv[1:])
+    except ValueError as e:
+        print(f"llamarl service: {e}", file=sys.stderr, flush=True)
+        return 1
+    print(f"llamarl service: {served.url}  (export TINKER_BASE_URL={served.url}; "
+          f"base_model={served.service.base_model!r})", flush=True)
+    try:
+        served.serve()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def start(recipe: str, overrides: list[str]) -> Served:
+    """Load the recipe's model, build the service and bind its port (not yet serving)."""
+    import socket
+
+    import uvicorn
+
+    from llamarl.config import load_config
+    from llamarl.service.model import load_base
+    from llamarl.service.tenants import LoraTenants
+
+    cfg = load_config(recipe, overrides)
+    svc_cfg = cfg.service
+    model, tokenizer, path = load_base(cfg.model.path, cfg.model.dtype)
+    tenants = LoraTenants(model, svc_cfg.max_tenants, svc_cfg.max_tokens,
+                          tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                          else tokenizer.eos_token_id)
+    directory = Path(svc_cfg.dir or Path(cfg.run.output_dir) / cfg.run.name / "service")
+    svc = TinkerService(tenants, cfg.model.path, path, directory, svc_cfg.session_timeout_s,
+                        svc_cfg.max_tokens)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((svc_cfg.host, svc_cfg.port))
+    except OSError as e:
+        raise ValueError(f"service.port {svc_cfg.port} on {svc_cfg.host}: {e.strerror}: "
+                         "give another (0 = a free one)") from None
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(build_app(svc), log_level="warning"))
+    return Served(svc, server, sock, f"http://{svc_cfg.host}:{port}")

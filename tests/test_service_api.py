@@ -1,0 +1,177 @@
+"""The Tinker service driven by the `tinker` SDK itself, unmodified but for its base URL
+(llamarl/service, docs/service.md): training clients, forward_backward + optim_step, state
+saved through DCP and restored by a restarted server, the adapter written for vLLM, bad
+requests answered with their reason while the other tenant trains on untouched."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+from llamarl.service.server import start  # noqa: E402
+
+
+def _serve(model_path, directory: Path, *extra: str):
+    served = start("recipes/serve_smollm2_cpu.yaml",
+                   [f"model.path={model_path}", "service.port=0", f"service.dir={directory}",
+                    "model.dtype=float32", *extra])
+    thread = threading.Thread(target=served.serve, daemon=True)
+    thread.start()
+    return served, thread
+
+
+def _stop(served, thread) -> None:
+    served.stop()
+    thread.join(30)
+    assert not thread.is_alive()
+
+
+def _sft_datum(tokens: list[int], prompt: int) -> types.Datum:
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": tokens[1:],
+                                       "weights": [0.0] * (prompt - 1)
+                                       + [1.0] * (len(tokens) - prompt)})
+
+
+def test_the_sdk_trains_saves_and_a_restarted_server_resumes(tiny_model_dir, tmp_path):
+    served, thread = _serve(tiny_model_dir, tmp_path / "svc", "service.max_tenants=2")
+    try:
+        sc = tinker.ServiceClient(base_url=served.url, api_key="tml-local")
+        a = sc.create_lora_training_client(base_model=str(tiny_model_dir), rank=4,
+                                           seed=0).result()
+        b = sc.create_lora_training_client(base_model=str(tiny_model_dir), rank=4,
+                                           seed=1).result()
+        assert a.get_info().model_data.tokenizer_id == str(tiny_model_dir)
+        assert a.get_tokenizer().encode("ab") == [4, 5]  # offline: the model's directory
+        data = [_sft_datum([5, 6, 7, 8, 9, 10], 2), _sft_datum([11, 12, 13, 14], 2)]
+        losses = []
+        for _ in range(4):
+            fb = a.forward_backward(data, "cross_entropy")  # submitted before the step
+            step = a.optim_step(types.AdamParams(learning_rate=5e-3))
+            losses.append(fb.result().metrics["loss:sum"])
+            assert step.result().metrics["step:max"] == len(losses)
+        assert losses[-1] < 0.7 * losses[0], losses
+        out = a.forward(data, "cross_entropy").result()
+        assert [o["logprobs"].shape for o in out.loss_fn_outputs] == [[5], [3]]
+        assert -sum(float(torch.tensor(o["logprobs"].data)[1:].sum())
+                    for o in out.loss_fn_outputs) == pytest.approx(out.metrics["loss:sum"],
+                                                                   rel=1e-5)
+        b_before = b.forward(data, "cross_entropy").result().metrics["loss:sum"]
+
+        # bad requests: a 400 naming the problem; the other tenant untouched
+        bad = [
+            ([types.Datum(model_input=types.ModelInput.from_ints([5, 6, 99999]),
+                          loss_fn_inputs={"target_tokens": [6, 7, 8],
+                                          "weights": [1.0, 1.0, 1.0]})], "cross_entropy",
+             "outside the vocabulary"),
+            ([types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]),
+                          loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [1.0]})],
+             "cross_entropy", "shape"),
+            (data, "dpo", "not one this server computes"),
+            ([_sft_datum(list(range(4, 4 + 70)) * 40, 2)], "cross_entropy", "over this"),
+        ]
+        for batch, loss_fn, reason in bad:
+            with pytest.raises(tinker.BadRequestError, match=reason):
+                a.forward_backward(batch, loss_fn).result()
+        with pytest.raises(Exception, match="at most 2 LoRA models"):
+            sc.create_lora_training_client(base_model=str(tiny_model_dir), rank=4).result()
+        with pytest.raises(tinker.BadRequestError, match="trains"):
+            sc.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4).result()
+        assert b.forward(data, "cross_entropy").result().metrics["loss:sum"] == b_before
+
+        saved = a.save_state("after4").result().path
+        assert saved.startswith("tinker://") and saved.endswith("/weights/after4")
+        sampler = a.save_weights_for_sampler("s4").result().path
+        a_loss = a.forward(data, "cross_entropy").result().metrics["loss:sum"]
+        a.forward_backward(data, "cross_entropy").result()
+        a.optim_step(types.AdamParams(learning_rate=5e-3)).result()
+        next_loss = a.forward(data, "cross_entropy").result().metrics["loss:sum"]
+    finally:
+        _stop(served, thread)
+
+    # the adapter for vLLM: PEFT's files, adapter tensors only (no base weight)
+    adapter = tmp_path / "svc" / saved[len("tinker://"):].split("/")[0].replace(":", "_") \
+        / "sampler_weights" / "s4"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["peft_type"] == "LORA"
+    from safetensors.torch import load_file
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    assert tensors and all(".lora_A." in k or ".lora_B." in k for k in tensors)
+    assert sampler.endswith("/sampler_weights/s4")
+
+    # a killed server restarts on the same directory: the tenant resumes from its state,
+    # Adam's moments included (its next step is the step the first server took)
+    served, thread = _serve(tiny_model_dir, tmp_path / "svc")
+    try:
+        sc = tinker.ServiceClient(base_url=served.url, api_key="tml-local")
+        resumed = sc.create_training_client_from_state_with_optimizer(saved).result()
+        assert resumed.forward(data, "cross_entropy").result().metrics["loss:sum"] == a_loss
+        resumed.forward_backward(data, "cross_entropy").result()
+        resumed.optim_step(types.AdamParams(learning_rate=5e-3)).result()
+        assert resumed.forward(data, "cross_entropy").result().metrics["loss:sum"] == next_loss
+        with pytest.raises(tinker.BadRequestError, match="no saved state"):
+            sc.create_training_client_from_state("tinker://nobody:train:0/weights/x").result()
+    finally:
+        _stop(served, thread)
+
+
+def test_sft_on_smollm2_through_the_sdk(smollm2_cache, tmp_path, monkeypatch):
+    """The recipe's real chat model: its chat-formatted answer's loss falls over 3 steps."""
+    monkeypatch.setenv("LLAMARL_CACHE", smollm2_cache)
+    served, thread = _serve("smollm2:135m-instruct", tmp_path / "svc")
+    try:
+        sc = tinker.ServiceClient(base_url=served.url, api_key="tml-local")
+        tc = sc.create_lora_training_client(base_model="smollm2:135m-instruct", rank=8,
+                                            seed=0).result()
+        tok = tc.get_tokenizer()
+        prompt = tok.apply_chat_template([{"role": "user", "content": "What is 17 + 25?"}],
+                                         add_generation_prompt=True, tokenize=False)
+        p = tok.encode(prompt)
+        full = p + tok.encode("17 + 25 = 42.") + [tok.eos_token_id]
+        data = [_sft_datum(full, len(p))]
+        losses = []
+        for _ in range(3):
+            fb = tc.forward_backward(data, "cross_entropy")
+            tc.optim_step(types.AdamParams(learning_rate=1e-3))
+            losses.append(fb.result().metrics["loss:sum"])
+        assert losses[2] < losses[0], losses
+    finally:
+        _stop(served, thread)
+
+
+def test_a_client_that_vanishes_frees_its_slot(tiny_model_dir, tmp_path):
+    """A session with no heartbeat for service.session_timeout_s is ended and its training
+    clients freed: a server full with one tenant takes a new client after that."""
+    import httpx
+
+    served, thread = _serve(tiny_model_dir, tmp_path / "svc", "service.max_tenants=1",
+                            "service.session_timeout_s=1.5")
+    try:
+        api = served.url + "/api/v1"
+        session = httpx.post(api + "/create_session", json={
+            "tags": [], "user_metadata": None, "sdk_version": "raw"}).json()["session_id"]
+        rid = httpx.post(api + "/create_model", json={
+            "session_id": session, "model_seq_id": 0, "base_model": str(tiny_model_dir),
+            "lora_config": {"rank": 2}}).json()["request_id"]
+        done = httpx.post(api + "/retrieve_future", json={"request_id": rid}, timeout=30).json()
+        assert done["model_id"] == f"{session}:train:0"
+        # (this client now vanishes: no heartbeat)
+        deadline = time.monotonic() + 30
+        while (gone := httpx.post(api + "/get_info",
+                                  json={"model_id": done["model_id"]})).status_code == 200:
+            assert time.monotonic() < deadline, "the silent session was never ended"
+            time.sleep(0.2)
+        assert gone.status_code == 404 and "no model" in gone.json()["detail"]
+        sc = tinker.ServiceClient(base_url=served.url, api_key="tml-local")
+        tc = sc.create_lora_training_client(base_model=str(tiny_model_dir), rank=2).result()
+        assert tc.forward([_sft_datum([5, 6, 7], 1)], "cross_entropy").result().metrics
+    finally:
+        _stop(served, thread)
