@@ -450,6 +450,11 @@ class ServiceConfig:
     # training clients freed; their saved states stay on disk
     session_timeout_s: float = 120.0
     dir: str = ""  # checkpoints (save_state, sampler weights); "" = run.output_dir/run.name/service
+    # sample / compute_logprobs through a vLLM engine in the server's process (multi-LoRA: one
+    # adapter per sampling client); false: training only, no engine started
+    sampling: bool = True
+    max_lora_rank: int = 32  # the largest LoRA rank a client may ask for (vLLM's adapter slots)
+    kv_cache_gib: float = 0.5  # the sampling engine's KV cache on a CPU
 
 
 @dataclass
@@ -684,6 +689,11 @@ def _validate_service(svc: ServiceConfig) -> None:
         _fail("service.max_tenants", svc.max_tenants, "give 1 to 64")
     if svc.max_tokens < 2:
         _fail("service.max_tokens", svc.max_tokens, "give at least 2")
+    if svc.max_lora_rank not in VLLM_LORA_RANKS or svc.max_lora_rank > 256:
+        _fail("service.max_lora_rank", svc.max_lora_rank,
+              f"give one of {[r for r in VLLM_LORA_RANKS if r <= 256]}")
+    if not svc.kv_cache_gib > 0:
+        _fail("service.kv_cache_gib", svc.kv_cache_gib, "give GiB > 0")
     if not svc.session_timeout_s > 0:
         _fail("service.session_timeout_s", svc.session_timeout_s, "give seconds > 0")
 

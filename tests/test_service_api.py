@@ -19,10 +19,11 @@ from tinker import types  # noqa: E402
 from llamarl.service.server import start  # noqa: E402
 
 
-def _serve(model_path, directory: Path, *extra: str):
+def _serve(model_path, directory: Path, *extra: str, sampling: bool = False):
     served = start("recipes/serve_smollm2_cpu.yaml",
                    [f"model.path={model_path}", "service.port=0", f"service.dir={directory}",
-                    "model.dtype=float32", *extra])
+                    "model.dtype=float32", f"service.sampling={str(sampling).lower()}",
+                    *extra])
     thread = threading.Thread(target=served.serve, daemon=True)
     thread.start()
     return served, thread
@@ -123,14 +124,16 @@ def test_the_sdk_trains_saves_and_a_restarted_server_resumes(tiny_model_dir, tmp
         _stop(served, thread)
 
 
-def test_sft_on_smollm2_through_the_sdk(smollm2_cache, tmp_path, monkeypatch):
-    """The recipe's real chat model: its chat-formatted answer's loss falls over 3 steps."""
+def test_sft_and_an_rl_step_on_smollm2_through_the_sdk(smollm2_cache, tmp_path, monkeypatch):
+    """The recipe's real chat model: its chat-formatted answer's loss falls over 3 steps; then
+    one RL step as the cookbook's rl_loop takes it: sample a group from the trained adapter,
+    score it, importance_sampling with the sampler's logprobs, optim_step."""
     monkeypatch.setenv("LLAMARL_CACHE", smollm2_cache)
-    served, thread = _serve("smollm2:135m-instruct", tmp_path / "svc")
+    served, thread = _serve("smollm2:135m-instruct", tmp_path / "svc", sampling=True)
     try:
         sc = tinker.ServiceClient(base_url=served.url, api_key="tml-local")
         tc = sc.create_lora_training_client(base_model="smollm2:135m-instruct", rank=8,
-                                            seed=0).result()
+                                            seed=0, train_unembed=False).result()
         tok = tc.get_tokenizer()
         prompt = tok.apply_chat_template([{"role": "user", "content": "What is 17 + 25?"}],
                                          add_generation_prompt=True, tokenize=False)
@@ -143,6 +146,82 @@ def test_sft_on_smollm2_through_the_sdk(smollm2_cache, tmp_path, monkeypatch):
             tc.optim_step(types.AdamParams(learning_rate=1e-3))
             losses.append(fb.result().metrics["loss:sum"])
         assert losses[2] < losses[0], losses
+
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        group = sampler.sample(types.ModelInput.from_ints(p), num_samples=4,
+                               sampling_params=types.SamplingParams(max_tokens=12, seed=3,
+                                                                    temperature=1.0)).result()
+        assert len(group.sequences) == 4
+        rewards = [float("42" in tok.decode(s.tokens)) for s in group.sequences]
+        mean = sum(rewards) / len(rewards)
+        rl = []
+        for s, r in zip(group.sequences, rewards):
+            n = len(s.tokens)
+            assert len(s.logprobs) == n and all(lp <= 0 for lp in s.logprobs)
+            tokens = p + list(s.tokens)
+            rl.append(types.Datum(
+                model_input=types.ModelInput.from_ints(tokens[:-1]),
+                loss_fn_inputs={"target_tokens": tokens[1:],
+                                "logprobs": [0.0] * (len(p) - 1) + list(s.logprobs),
+                                "advantages": [0.0] * (len(p) - 1) + [r - mean] * n}))
+        out = tc.forward_backward(rl, "importance_sampling").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        # the sampler's logprobs are the trained adapter's: the ratio is 1 on every token
+        for s, o in zip(group.sequences, out.loss_fn_outputs):
+            got = torch.tensor(o["logprobs"].data)[len(p) - 1:]
+            assert torch.allclose(got, torch.tensor(s.logprobs), atol=2e-3), (got, s.logprobs)
+    finally:
+        _stop(served, thread)
+
+
+def test_each_sampling_client_samples_its_own_adapter(tiny_model_dir, tmp_path):
+    """Two tenants trained on different data; each one's sampling clients (saved by name, or
+    made by save_weights_and_get_sampling_client) give the prompt logprobs of that tenant's
+    own forward, not the other's or the base's: a request routed to the wrong adapter fails
+    this."""
+    served, thread = _serve(tiny_model_dir, tmp_path / "svc", sampling=True)
+    try:
+        sc = tinker.ServiceClient(base_url=served.url, api_key="tml-local")
+        with pytest.raises(tinker.BadRequestError, match="train_unembed=False"):
+            sc.create_lora_training_client(base_model=str(tiny_model_dir), rank=4).result()
+        tenants = [sc.create_lora_training_client(base_model=str(tiny_model_dir), rank=4,
+                                                  seed=s, train_unembed=False).result()
+                   for s in (0, 1)]
+        for tc, seq in zip(tenants, ([5, 6, 7, 8, 9, 10], [20, 19, 18, 17, 16, 15])):
+            for _ in range(3):
+                tc.forward_backward([_sft_datum(seq, 1)], "cross_entropy")
+                tc.optim_step(types.AdamParams(learning_rate=5e-3)).result()
+        probe = [5, 6, 7, 8, 20, 19]
+        datum = types.Datum(model_input=types.ModelInput.from_ints(probe[:-1]),
+                            loss_fn_inputs={"target_tokens": probe[1:],
+                                            "weights": [1.0] * 5})
+        own = [torch.tensor(tc.forward([datum], "cross_entropy").result()
+                            .loss_fn_outputs[0]["logprobs"].data) for tc in tenants]
+        assert not torch.allclose(own[0], own[1], atol=1e-2)
+        named = [sc.create_sampling_client(
+            model_path=tc.save_weights_for_sampler(f"n{i}").result().path).result()
+            for i, tc in enumerate(tenants)]
+        ephemeral = [tc.save_weights_and_get_sampling_client().result() for tc in tenants]
+        for i in (1, 0):  # (the other order too: an engine with both adapters resident)
+            for client in (named[i], ephemeral[i]):
+                got = torch.tensor(client.compute_logprobs(
+                    types.ModelInput.from_ints(probe)).result()[1:])
+                assert torch.allclose(got, own[i], atol=1e-4), (i, got, own[i])
+        base = sc.create_sampling_client(base_model=str(tiny_model_dir)).result()
+        got = torch.tensor(base.compute_logprobs(types.ModelInput.from_ints(probe))
+                           .result()[1:])
+        assert not torch.allclose(got, own[0], atol=1e-2)
+        out = ephemeral[0].sample(types.ModelInput.from_ints([5, 6]), num_samples=3,
+                                  sampling_params=types.SamplingParams(max_tokens=4, seed=0)
+                                  ).result()
+        assert [len(s.tokens) for s in out.sequences] == [4, 4, 4] or any(
+            s.stop_reason == "stop" for s in out.sequences)
+        with pytest.raises(tinker.BadRequestError, match="no saved sampler weights"):
+            sc.create_sampling_client(
+                model_path="tinker://x:train:0/sampler_weights/none").result()
+        with pytest.raises(tinker.BadRequestError, match="outside the vocabulary"):
+            ephemeral[0].sample(types.ModelInput.from_ints([5, 99999]), num_samples=1,
+                                sampling_params=types.SamplingParams(max_tokens=2)).result()
     finally:
         _stop(served, thread)
 

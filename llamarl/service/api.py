@@ -27,6 +27,7 @@ import queue
 import re
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,8 +64,13 @@ class TinkerService:
     works offline)."""
 
     def __init__(self, tenants: LoraTenants, base_model: str, tokenizer_id: str,
-                 directory: Path, session_timeout_s: float, max_context: int):
+                 directory: Path, session_timeout_s: float, max_context: int,
+                 sampler=None, max_lora_rank: int = 0):
         self.tenants, self.base_model, self.tokenizer_id = tenants, base_model, tokenizer_id
+        self.sampler = sampler  # service/sampler.Sampler, or None: training only
+        self.max_lora_rank = max_lora_rank
+        # sampling client id -> the adapter directory it samples (None: the base)
+        self.samplers: dict[str, Path | None] = {}
         self.directory, self.session_timeout_s = Path(directory), session_timeout_s
         self.max_context = max_context
         self.sessions: dict[str, Session] = {}
@@ -178,8 +184,26 @@ class TinkerService:
                            "timeout frees models: load their saved state)")
         return name
 
+    def check_spec(self, spec: LoraSpec) -> None:
+        """What the sampler cannot serve is refused when the client is made, not when it
+        first samples."""
+        if self.sampler is None:
+            return
+        if spec.rank > self.max_lora_rank:
+            raise ValueError(f"lora rank {spec.rank}: this server samples adapters of rank <= "
+                             f"{self.max_lora_rank} (service.max_lora_rank)")
+        if spec.train_unembed and getattr(self.tenants.model.config, "tie_word_embeddings",
+                                          False):
+            # vLLM 0.32 adapts no head tied to the embeddings (its LoRA loader refuses an
+            # lm_head adapter for such a model), so such an adapter could be trained but
+            # never sampled as trained
+            raise ValueError(f"train_unembed=True: {self.base_model} ties its output head to "
+                             "its embeddings, and vLLM cannot sample a LoRA on a tied head: "
+                             "pass train_unembed=False")
+
     def create_model(self, session_id: str, model_seq_id: int, spec: LoraSpec,
                      state: dict | None = None) -> dict:
+        self.check_spec(spec)
         model_id = f"{session_id}:train:{model_seq_id}"
         name = f"t{next(self._ids)}"
         self.tenants.create(name, spec)
@@ -224,9 +248,17 @@ class TinkerService:
         save_state(directory, state, model_id)
         return {"path": path, "type": "save_weights"}
 
-    def save_for_sampler(self, model_id: str, name: str | None, seq_id) -> dict:
+    def save_for_sampler(self, model_id: str, name: str | None, seq_id,
+                         sampling_seq_id: int | None = None) -> dict:
+        """Write the tenant's adapter for the sampler: under `name` (a tinker path any
+        sampling client can be made from), or, without a name, as the adapter of a new
+        sampling client (`<session>:sample:<sampling_seq_id>`, the SDK's
+        save_weights_and_get_sampling_client)."""
         from safetensors.torch import save_file
 
+        ephemeral = name is None
+        if ephemeral:
+            name = f"ephemeral-{sampling_seq_id}-{seq_id}"
         directory, path = self.checkpoint_dir(model_id, "sampler_weights", name, seq_id)
         tenant = self.tenant_of(model_id)
         directory.mkdir(parents=True, exist_ok=True)
@@ -234,8 +266,27 @@ class TinkerService:
                   directory / "adapter_model.safetensors")
         (directory / "adapter_config.json").write_text(
             json.dumps(self.tenants.peft_config(tenant), indent=1))
-        (directory / "meta.json").write_text(json.dumps({"model_id": model_id}))
+        (directory / "meta.json").write_text(json.dumps(
+            {"model_id": model_id, "spec": self.tenants.get(tenant).spec.__dict__}))
+        if ephemeral:
+            session_id = model_id.rsplit(":train:", 1)[0]
+            sampler_id = self.add_sampler(session_id, sampling_seq_id, directory)
+            return {"path": None, "sampling_session_id": sampler_id,
+                    "type": "save_weights_for_sampler"}
         return {"path": path, "type": "save_weights_for_sampler"}
+
+    def add_sampler(self, session_id: str, sampling_seq_id, adapter: Path | None) -> str:
+        sampler_id = f"{session_id}:sample:{sampling_seq_id}"
+        with self.lock:
+            self.samplers[sampler_id] = adapter
+        return sampler_id
+
+    def adapter_of(self, sampler_id: str) -> Path | None:
+        with self.lock:
+            if sampler_id not in self.samplers:
+                raise KeyError(f"no sampling client {sampler_id!r} on this server: make one "
+                               "(create_sampling_client, save_weights_and_get_sampling_client)")
+            return self.samplers[sampler_id]
 
 
 def save_state(directory: Path, state: dict, model_id: str) -> None:
@@ -247,7 +298,9 @@ def save_state(directory: Path, state: dict, model_id: str) -> None:
     tensors = {"params": {str(i): p for i, p in enumerate(state["params"])}}
     if "optimizer" in state:
         tensors["optimizer"] = _str_keys(state["optimizer"])
-    dcp.save(tensors, checkpoint_id=str(directory), no_dist=True)
+    with warnings.catch_warnings():  # ("assuming the intent is to save in a single process")
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(tensors, checkpoint_id=str(directory), no_dist=True)
     (directory / "meta.json").write_text(json.dumps(
         {"model_id": model_id, "spec": state["spec"], "steps": state["steps"],
          "optimizer": "optimizer" in state, "params": len(state["params"]),
@@ -265,7 +318,9 @@ def load_state(directory: Path, with_optimizer: bool) -> dict:
     tensors = {"params": {str(i): torch.empty(s) for i, s in enumerate(meta["shapes"])}}
     if with_optimizer:
         tensors["optimizer"] = _optimizer_template(meta)
-    dcp.load(tensors, checkpoint_id=str(directory), no_dist=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(tensors, checkpoint_id=str(directory), no_dist=True)
     out = {"spec": meta["spec"], "steps": meta["steps"],
            "params": [tensors["params"][str(i)] for i in range(meta["params"])]}
     if with_optimizer:

@@ -77,7 +77,7 @@ def build_app(svc: TinkerService):
     @app.api_route(API + "/get_server_capabilities", methods=["GET", "POST"])
     async def capabilities():
         return {"supported_models": [{"model_name": svc.base_model, "trainable": True,
-                                      "sampleable": False,
+                                      "sampleable": svc.sampler is not None,
                                       "max_context_length": svc.max_context}]}
 
     @app.post(API + "/telemetry")
@@ -112,6 +112,7 @@ def build_app(svc: TinkerService):
             raise _Bad(f"base_model {body['base_model']!r}: this server trains "
                        f"{svc.base_model!r} (one base per server)")
         spec = spec_of(body.get("lora_config"), default_seed=n)
+        svc.check_spec(spec)  # (a rank the sampler cannot serve: 400 now)
         model_id = f"{session_id}:train:{n}"
         rid = svc.submit("create_model", model_id, 0,
                          lambda: svc.create_model(session_id, n, spec))
@@ -179,14 +180,15 @@ def build_app(svc: TinkerService):
         body = await body_of(request)
         model_id = need(body, "model_id")
         svc.tenant_of(model_id)
-        if not body.get("path"):
-            raise _Bad("sampling through this server is not built yet (docs/service.md): "
-                       "save_weights_for_sampler(name) writes the adapter for vLLM, "
-                       "save_weights_and_get_sampling_client is refused")
-        svc.checkpoint_dir(model_id, "sampler_weights", body.get("path"), body.get("seq_id"))
+        name = body.get("path") or None
+        if name is None:  # save_weights_and_get_sampling_client: a sampling client of it
+            sampling()
+            need(body, "sampling_session_seq_id")
+        else:
+            svc.checkpoint_dir(model_id, "sampler_weights", name, body.get("seq_id"))
         rid = svc.submit("save_weights_for_sampler", model_id, body.get("seq_id"),
-                         lambda: svc.save_for_sampler(model_id, body.get("path"),
-                                                      body.get("seq_id")))
+                         lambda: svc.save_for_sampler(model_id, name, body.get("seq_id"),
+                                                      body.get("sampling_session_seq_id")))
         return queued(rid, model_id=model_id)
 
     @app.post(API + "/load_weights")
@@ -221,14 +223,65 @@ def build_app(svc: TinkerService):
         rid = svc.submit("load_weights", model_id, 0, create)
         return queued(rid, model_id=model_id)
 
+    # --- sampling --------------------------------------------------------------------------
+
+    def sampling():
+        if svc.sampler is None:
+            raise _Bad("this server was started without sampling (service.sampling: false): "
+                       "start it with service.sampling=true to sample")
+
     @app.post(API + "/create_sampling_session")
-    async def create_sampling_session():
-        return bad("sampling through this server is not built yet (docs/service.md): train "
-                   "here, save_weights_for_sampler(name) and serve the adapter with vLLM", 501)
+    async def create_sampling_session(request: Request):
+        body = await body_of(request)
+        sampling()
+        session_id = need(body, "session_id")
+        svc.touch(session_id)
+        path = body.get("model_path")
+        if body.get("base_model") not in (None, svc.base_model):
+            raise _Bad(f"base_model {body['base_model']!r}: this server samples "
+                       f"{svc.base_model!r} (one base per server)")
+        adapter = None
+        if path:
+            adapter = svc.resolve(path, "sampler weights")
+            if not (adapter / "adapter_model.safetensors").is_file():
+                raise _Bad(f"{path!r} is not sampler weights: give a path returned by "
+                           "save_weights_for_sampler")
+        sampler_id = svc.add_sampler(session_id, need(body, "sampling_session_seq_id"),
+                                     adapter)
+        return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
+
+    @app.get(API + "/samplers/{sampler_id}")
+    async def sampler_info(sampler_id: str):
+        adapter = svc.adapter_of(sampler_id)
+        return {"sampler_id": sampler_id, "base_model": svc.base_model,
+                "model_path": None if adapter is None else str(adapter)}
 
     @app.post(API + "/asample")
-    async def asample():
-        return bad("sampling through this server is not built yet (docs/service.md)", 501)
+    async def asample(request: Request):
+        from llamarl.service.sampler import check_sample
+
+        body = await body_of(request)
+        sampling()
+        sampler_id = need(body, "sampling_session_id")
+        adapter = svc.adapter_of(sampler_id)
+        prompt = []
+        for chunk in (need(body, "prompt").get("chunks") or []):
+            if chunk.get("type", "encoded_text") != "encoded_text":
+                raise _Bad(f"a {chunk.get('type')} chunk: this server samples a text model, "
+                           "give encoded_text chunks")
+            prompt += [int(t) for t in chunk.get("tokens", [])]
+        n = int(body.get("num_samples", 1))
+        params = dict(body.get("sampling_params") or {})
+        want_prompt = bool(body.get("prompt_logprobs"))
+        for key in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+            if body.get(key):
+                raise _Bad(f"{key} is not served here: ask for 0")
+        check_sample(prompt, n, params, svc.sampler.vocab, svc.sampler.max_model_len)
+        seq_id = body.get("seq_id")
+        rid = svc.submit("asample", sampler_id, seq_id,
+                         lambda: svc.sampler.sample(prompt, n, params, adapter, want_prompt))
+        return queued(rid, sample_sequence_ids=[f"{sampler_id}:{seq_id}:{i}"
+                                                for i in range(n)])
 
     @app.post(API + "/retrieve_future")
     async def retrieve_future(request: Request):
@@ -304,12 +357,21 @@ def start(recipe: str, overrides: list[str]) -> Served:
     cfg = load_config(recipe, overrides)
     svc_cfg = cfg.service
     model, tokenizer, path = load_base(cfg.model.path, cfg.model.dtype)
-    tenants = LoraTenants(model, svc_cfg.max_tenants, svc_cfg.max_tokens,
+    context = min(svc_cfg.max_tokens, getattr(model.config, "max_position_embeddings",
+                                               svc_cfg.max_tokens))
+    sampler = None
+    if svc_cfg.sampling:
+        from llamarl.service.sampler import Sampler
+
+        sampler = Sampler(path, cfg.model.dtype, context, svc_cfg.max_tenants,
+                          svc_cfg.max_lora_rank, int(svc_cfg.kv_cache_gib * (1 << 30)),
+                          cfg.run.seed)
+    tenants = LoraTenants(model, svc_cfg.max_tenants, context,
                           tokenizer.pad_token_id if tokenizer.pad_token_id is not None
                           else tokenizer.eos_token_id)
     directory = Path(svc_cfg.dir or Path(cfg.run.output_dir) / cfg.run.name / "service")
     svc = TinkerService(tenants, cfg.model.path, path, directory, svc_cfg.session_timeout_s,
-                        svc_cfg.max_tokens)
+                        context, sampler, svc_cfg.max_lora_rank)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:

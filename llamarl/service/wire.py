@@ -125,3 +125,19 @@ def forward_backward_output(logprobs: list[torch.Tensor], metrics: dict[str, flo
     for key, value in metrics.items():
         out.metrics[key] = float(value)
     return out.SerializeToString()
+
+
+def sample_response(sequences: list[tuple[list[int], list[float], str]],
+                    prompt_logprobs: list[float] | None) -> bytes:
+    """The SDK's SampleResponse protobuf: per sequence (token ids, their logprobs, "stop" or
+    "length"); the prompt's logprobs (NaN where there is none: the first token)."""
+    pb = _pb()
+    out = pb.SampleResponse()
+    for ids, lps, reason in sequences:
+        out.sequences.append(pb.SampledSequence(
+            stop_reason=pb.STOP_REASON_LENGTH if reason == "length" else pb.STOP_REASON_STOP,
+            tokens=np.asarray(ids, np.int32).tobytes(),
+            logprobs=np.asarray(lps, np.float32).tobytes()))
+    if prompt_logprobs is not None:
+        out.prompt_logprobs = np.asarray(prompt_logprobs, np.float32).tobytes()
+    return out.SerializeToString()

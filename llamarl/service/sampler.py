@@ -1,0 +1,137 @@
+"""The service's sampling: a vLLM engine in this process with multi-LoRA (docs/service.md).
+
+Each sampling client is bound to a saved sampler adapter (PEFT's files, written by
+save_weights_for_sampler) or to the base. Every request names its adapter in a `LoRARequest`
+(an id per adapter directory, so vLLM routes each request to its own adapter and keeps up
+to `max_loras` of them resident, the least recently used evicted); the base weights are
+vLLM's own copy, never sent. A saved adapter reaches the engine as its adapter tensors,
+read from its directory, never as merged weights.
+
+Sampled logprobs are vLLM's processed logprobs: log softmax(logits / temperature) of the
+sampled token, the distribution it was drawn from (what `importance_sampling` and the other
+RL losses want as q). `prompt_logprobs` (and compute_logprobs): the logprob of each prompt
+token given those before it, the first one None (NaN on the wire).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from pathlib import Path
+
+DEFAULT_MAX_TOKENS = 16  # a request without max_tokens (the SDK omits None)
+
+
+class Sampler:
+    """vLLM on `model_dir` (tp 1, this process) for adapters up to `max_lora_rank`, at most
+    `max_loras` resident, sequences of at most `max_model_len` tokens."""
+
+    def __init__(self, model_dir: str, dtype: str, max_model_len: int, max_loras: int,
+                 max_lora_rank: int, kv_cache_bytes: int, seed: int):
+        import torch
+
+        from llamarl.generator.cpu_fixes import disable_onednn_prepack, eager_logprob_ranks
+        from llamarl.generator.engine import (
+            file_store_removed,
+            prepare_environment,
+            warn_if_other_vllm,
+        )
+        from llamarl.generator.log_hygiene import quiet_third_party
+        from llamarl.generator.lora_adapter import engine_lora_rank
+
+        on_cpu = not torch.cuda.is_available()
+        prepare_environment(None, on_cpu)
+        quiet_third_party()  # (vLLM's repeated warnings once each)
+        if on_cpu:
+            disable_onednn_prepack()
+            eager_logprob_ranks()
+        from vllm import LLM
+
+        warn_if_other_vllm()
+        memory = ({"kv_cache_memory_bytes": kv_cache_bytes} if on_cpu
+                  else {"gpu_memory_utilization": 0.3})
+        self.max_model_len, self.max_lora_rank = max_model_len, max_lora_rank
+        with file_store_removed():
+            self.llm = LLM(model=model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                           enforce_eager=True, enable_lora=True, max_loras=max_loras,
+                           max_cpu_loras=max_loras, max_lora_rank=engine_lora_rank(
+                               max_lora_rank), logprobs_mode="processed_logprobs",
+                           **memory)
+        self.vocab = self.llm.llm_engine.model_config.get_vocab_size()
+        self._ids: dict[str, int] = {}  # adapter directory -> its LoRA id
+        self._lock = threading.Lock()
+
+    def _lora(self, adapter: Path | None):
+        from vllm.lora.request import LoRARequest
+
+        if adapter is None:
+            return None
+        key = str(Path(adapter).resolve())
+        if key not in self._ids:
+            self._ids[key] = len(self._ids) + 1
+        return LoRARequest(f"adapter{self._ids[key]}", self._ids[key], key)
+
+    def sample(self, prompt: list[int], num_samples: int, params: dict,
+               adapter: Path | None, prompt_logprobs: bool) -> bytes:
+        """The SDK's SampleResponse (protobuf) for one asample request."""
+        from vllm import SamplingParams, TokensPrompt
+
+        from llamarl.service.wire import sample_response
+
+        check_sample(prompt, num_samples, params, self.vocab, self.max_model_len)
+        stop = params.get("stop")
+        extra: dict = {}
+        if stop == []:
+            extra["ignore_eos"] = True  # (the SDK's [] : no stop at all, not even EOS)
+        elif isinstance(stop, str):
+            extra["stop"] = [stop]
+        elif stop and all(isinstance(s, int) for s in stop):
+            extra["stop_token_ids"] = list(stop)
+        elif stop:
+            extra["stop"] = list(stop)
+        max_tokens = params.get("max_tokens") or min(DEFAULT_MAX_TOKENS,
+                                                     self.max_model_len - len(prompt))
+        top_k = int(params.get("top_k", -1))
+        sp = SamplingParams(n=num_samples, temperature=float(params.get("temperature", 1.0)),
+                            top_p=float(params.get("top_p", 1.0)),
+                            top_k=0 if top_k < 0 else top_k, max_tokens=int(max_tokens),
+                            seed=params.get("seed"), logprobs=0,
+                            prompt_logprobs=0 if prompt_logprobs else None,
+                            detokenize=bool(extra.get("stop")), **extra)
+        with self._lock:
+            out = self.llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp,
+                                    lora_request=self._lora(adapter), use_tqdm=False)[0]
+        sequences = []
+        for c in out.outputs:
+            ids = list(c.token_ids)
+            lps = [step[t].logprob for step, t in zip(c.logprobs, ids)]
+            sequences.append((ids, lps, "length" if c.finish_reason == "length" else "stop"))
+        prompt_lp = None
+        if prompt_logprobs:
+            prompt_lp = [math.nan] + [step[t].logprob for step, t in
+                                      zip(out.prompt_logprobs[1:], prompt[1:])]
+        return sample_response(sequences, prompt_lp)
+
+
+def check_sample(prompt: list[int], num_samples: int, params: dict, vocab: int,
+                 max_model_len: int) -> None:
+    """A ValueError naming what is wrong with a sample request, before the engine sees it."""
+    if not prompt:
+        raise ValueError("the prompt is empty: give at least one token")
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"the prompt has token ids outside the vocabulary [0, {vocab}): "
+                         f"{bad[:5]}")
+    if not 1 <= num_samples <= 256:
+        raise ValueError(f"num_samples {num_samples}: give 1 to 256")
+    max_tokens = params.get("max_tokens")
+    room = max_model_len - len(prompt)
+    if room < 1 or (max_tokens is not None and not 1 <= max_tokens <= room):
+        raise ValueError(f"a prompt of {len(prompt)} tokens and max_tokens {max_tokens}: this "
+                         f"server samples at most {max_model_len} tokens in all "
+                         "(service.max_tokens)")
+    temperature = params.get("temperature", 1.0)
+    if not temperature > 0:
+        raise ValueError(f"temperature {temperature}: give a value > 0")
+    if not 0 < params.get("top_p", 1.0) <= 1:
+        raise ValueError(f"top_p {params.get('top_p')}: give a value in (0, 1]")
