@@ -446,6 +446,9 @@ class ServiceConfig:
     port: int = 8000  # 0 = a free port (printed)
     max_tenants: int = 4  # LoRA training clients held at once, 1..64
     max_tokens: int = 2048  # a datum's positions at most
+    # a forward_backward runs in micro-batches of at most this many padded positions (the
+    # activations held at once); a datum longer than that runs alone
+    micro_batch_tokens: int = 4096
     # a session whose client sent no heartbeat (or request) for this long is ended and its
     # training clients freed; their saved states stay on disk
     session_timeout_s: float = 120.0
@@ -687,6 +690,8 @@ def _validate_service(svc: ServiceConfig) -> None:
         _fail("service.port", svc.port, "give a TCP port (0 = a free one)")
     if not 1 <= svc.max_tenants <= 64:
         _fail("service.max_tenants", svc.max_tenants, "give 1 to 64")
+    if svc.micro_batch_tokens < 2:
+        _fail("service.micro_batch_tokens", svc.micro_batch_tokens, "give at least 2")
     if svc.max_tokens < 2:
         _fail("service.max_tokens", svc.max_tokens, "give at least 2")
     if svc.max_lora_rank not in VLLM_LORA_RANKS or svc.max_lora_rank > 256:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from llamarl.service.losses import LOSSES
-from llamarl.service.tenants import AdamStep, Datum, LoraSpec, LoraTenants
+from llamarl.service.tenants import AdamStep, Datum, LoraSpec, LoraTenants, micro_batches
 
 
 @pytest.fixture(scope="module")
@@ -22,9 +22,10 @@ def base():
     return model, tok
 
 
-def _tenants(base, max_tenants=4) -> LoraTenants:
+def _tenants(base, max_tenants=4, micro_batch_tokens=4096) -> LoraTenants:
     model, tok = base
-    return LoraTenants(copy.deepcopy(model), max_tenants, 64, tok.pad_token_id)
+    return LoraTenants(copy.deepcopy(model), max_tenants, 64, tok.pad_token_id,
+                       micro_batch_tokens)
 
 
 def _data(seed: int, n: int = 3, loss: str = "cross_entropy") -> list[Datum]:
@@ -113,6 +114,13 @@ def test_forward_backward_equals_the_definition_computed_directly(base, loss_fn)
     assert float(want_g.norm()) > 0
     # float32 rounding of other matmul shapes: ~1e-6 of the gradient's norm measured
     assert float((got_g - want_g).norm() / want_g.norm()) < 1e-5
+
+
+def test_micro_batches_cut_in_order_by_padded_size():
+    data = [Datum(torch.zeros(n, dtype=torch.long), {}) for n in (3, 5, 2, 9, 1, 1)]
+    runs = micro_batches(data, 12)  # (2 x 6 = 12 fits; 3 x 6 does not; 9 + 1 alone)
+    assert [[len(d.tokens) for d in r] for r in runs] == [[3, 5], [2], [9], [1, 1]]
+    assert [d for r in runs for d in r] == data
 
 
 def test_bad_requests_are_refused_and_change_nothing(base):

@@ -23,17 +23,18 @@ from __future__ import annotations
 
 import itertools
 import json
-import queue
 import re
 import threading
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from llamarl.service.sampler import SampleJob
 from llamarl.service.tenants import AdamStep, LoraSpec, LoraTenants
 
 LONG_POLL_S = 20.0  # a retrieve_future waits this long for its result (the SDK's own is 45 s)
@@ -49,6 +50,35 @@ class Future:
     result: dict | bytes | None = None
     error: str | None = None
     category: str = "user"
+    # the retrieve_future calls waiting on it: (their event loop, their asyncio.Event). A
+    # long poll waits on the event loop, not on a thread: the SDK polls every future it
+    # holds at once (a step's 16 sample requests, 128 in an evaluation), and a thread per
+    # poll in the loop's small default pool queued them behind each other for minutes
+    waiters: list = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def finish(self) -> None:
+        """Called by the worker once `result` or `error` is set."""
+        with self._lock:
+            self.done.set()
+            waiters, self.waiters = self.waiters, []
+        for loop, event in waiters:
+            loop.call_soon_threadsafe(event.set)
+
+    async def wait(self, timeout: float) -> None:
+        """Until done or `timeout` seconds (on the running event loop)."""
+        import asyncio
+
+        event = asyncio.Event()
+        with self._lock:
+            if self.done.is_set():
+                return
+            self.waiters.append((asyncio.get_running_loop(), event))
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except asyncio.TimeoutError:
+            with self._lock:
+                self.waiters = [w for w in self.waiters if w[1] is not event]
 
 
 @dataclass
@@ -79,7 +109,10 @@ class TinkerService:
         self.submitted: dict[tuple, str] = {}  # (route, model id, seq_id) -> request id
         self.lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._jobs: queue.Queue = queue.Queue()
+        # (request id, what to run): a callable, or a SampleJob (batched with the sample jobs
+        # queued right behind it); (None, callable): housekeeping; None: stop
+        self._jobs: deque = deque()
+        self._wake = threading.Condition()
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._work, daemon=True,
                                           name="llamarl-service-worker"),
@@ -90,14 +123,33 @@ class TinkerService:
 
     def close(self) -> None:
         self._stop.set()
-        self._jobs.put(None)
+        self._put(None)
+
+    def _put(self, job) -> None:
+        with self._wake:
+            self._jobs.append(job)
+            self._wake.notify()
+
+    def _take(self) -> list:
+        """The next job, or the run of sample jobs at the head of the queue."""
+        with self._wake:
+            while not self._jobs:
+                self._wake.wait()
+            first = self._jobs.popleft()
+            if first is None or not isinstance(first[1], SampleJob):
+                return [first]
+            batch = [first]
+            while self._jobs and self._jobs[0] is not None and isinstance(self._jobs[0][1],
+                                                                          SampleJob):
+                batch.append(self._jobs.popleft())
+            return batch
 
     # --- futures -------------------------------------------------------------------------
 
     def submit(self, route: str, model_id: str | None, seq_id: int | None,
-               run: Callable[[], dict | bytes]) -> str:
-        """Queue `run` for the worker; the request id of its future. A submission already
-        seen (a retry) returns the first one's id."""
+               run: Callable[[], dict | bytes] | SampleJob) -> str:
+        """Queue `run` for the worker (a SampleJob: for the sampler); the request id of its
+        future. A submission already seen (a retry) returns the first one's id."""
         key = (route, model_id, seq_id)
         with self.lock:
             if seq_id is not None and key in self.submitted:
@@ -106,31 +158,39 @@ class TinkerService:
             self.futures[request_id] = Future()
             if seq_id is not None:
                 self.submitted[key] = request_id
-        self._jobs.put((request_id, run))
+        self._put((request_id, run))
         return request_id
 
     def _work(self) -> None:
         while not self._stop.is_set():
-            job = self._jobs.get()
-            if job is None:
+            jobs = self._take()
+            if jobs[0] is None:
                 return
-            request_id, run = job
+            request_id, run = jobs[0]
             if request_id is None:  # housekeeping (a session's models dropped)
                 run()
                 continue
-            future = self.futures[request_id]
+            futures = [self.futures[rid] for rid, _ in jobs]
             try:
-                future.result = run()
+                if isinstance(run, SampleJob):
+                    results = self.sampler.sample([job for _, job in jobs])
+                else:
+                    results = [run()]
+                for future, result in zip(futures, results):
+                    future.result = result
             except (ValueError, KeyError) as e:  # the request's fault: told to its client
-                future.error = str(e).strip("'\"")
+                for future in futures:
+                    future.error = str(e).strip("'\"")
             except Exception as e:  # noqa: BLE001 - the server's fault: told, and it goes on
-                future.error, future.category = f"{type(e).__name__}: {e}", "server"
-            future.done.set()
+                for future in futures:
+                    future.error, future.category = f"{type(e).__name__}: {e}", "server"
+            for future in futures:
+                future.finish()
 
-    def retrieve(self, request_id: str, timeout: float = LONG_POLL_S) -> Future | None:
+    async def retrieve(self, request_id: str, timeout: float = LONG_POLL_S) -> Future | None:
         future = self.futures.get(request_id)
         if future is not None:
-            future.done.wait(timeout)
+            await future.wait(timeout)
         return future
 
     # --- sessions ------------------------------------------------------------------------
@@ -153,7 +213,7 @@ class TinkerService:
         with self.lock:
             session = self.sessions.pop(session_id, None)
         for model_id in session.models if session else ():
-            self._jobs.put((None, lambda m=model_id: self._drop(m)))
+            self._put((None, lambda m=model_id: self._drop(m)))
 
     def _drop(self, model_id: str) -> None:
         with self.lock:

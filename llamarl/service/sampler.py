@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_MAX_TOKENS = 16  # a request without max_tokens (the SDK omits None)
@@ -32,6 +33,7 @@ class Sampler:
 
         from llamarl.generator.cpu_fixes import disable_onednn_prepack, eager_logprob_ranks
         from llamarl.generator.engine import (
+            WORKER_EXTENSION,
             file_store_removed,
             prepare_environment,
             warn_if_other_vllm,
@@ -53,11 +55,15 @@ class Sampler:
         self.max_model_len, self.max_lora_rank = max_model_len, max_lora_rank
         with file_store_removed():
             self.llm = LLM(model=model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
-                           enforce_eager=True, enable_lora=True, max_loras=max_loras,
+                           enforce_eager=True, enable_lora=True,
+                           worker_extension_cls=WORKER_EXTENSION, max_loras=max_loras,
                            max_cpu_loras=max_loras, max_lora_rank=engine_lora_rank(
                                max_lora_rank), logprobs_mode="processed_logprobs",
                            **memory)
         self.vocab = self.llm.llm_engine.model_config.get_vocab_size()
+        self.on_cpu = on_cpu
+        self.worker = self.llm.collective_rpc("llamarl_worker")[0]  # (in this process)
+        self._calls = 0
         self._ids: dict[str, int] = {}  # adapter directory -> its LoRA id
         self._lock = threading.Lock()
 
@@ -71,15 +77,34 @@ class Sampler:
             self._ids[key] = len(self._ids) + 1
         return LoRARequest(f"adapter{self._ids[key]}", self._ids[key], key)
 
-    def sample(self, prompt: list[int], num_samples: int, params: dict,
-               adapter: Path | None, prompt_logprobs: bool) -> bytes:
-        """The SDK's SampleResponse (protobuf) for one asample request."""
-        from vllm import SamplingParams, TokensPrompt
+    def sample(self, jobs: list[SampleJob]) -> list[bytes]:
+        """The SDK's SampleResponse (protobuf) for each request, all run in one vLLM generate
+        call: the requests that arrive while the engine is busy are batched together (each
+        with its own sampling parameters and its own adapter), as vLLM batches an engine's
+        sequences; one at a time, a request of 8 samples used a small part of what the
+        engine decodes in a step."""
+        from vllm import TokensPrompt
 
-        from llamarl.service.wire import sample_response
+        with self._lock:
+            if self.on_cpu:
+                # vLLM's per-request generators crash on a CPU as soon as it chunks a prefill
+                # or preempts a sequence ("CPU Generator does not use offset",
+                # docs/generator.md): the call's sampler is seeded instead, with the first
+                # request's seed (a lone request is reproducible; batched, its draws also
+                # depend on the requests beside it)
+                seeds = [j.params["seed"] for j in jobs if j.params.get("seed") is not None]
+                self._calls += 1
+                self.worker.llamarl_seed_sampler(seeds[0] if seeds else self._calls)
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=j.prompt) for j in jobs],
+                                     [self._params(j) for j in jobs],
+                                     lora_request=[self._lora(j.adapter) for j in jobs],
+                                     use_tqdm=False)
+        return [_response(j, out) for j, out in zip(jobs, outs)]
 
-        check_sample(prompt, num_samples, params, self.vocab, self.max_model_len)
-        stop = params.get("stop")
+    def _params(self, job: SampleJob):
+        from vllm import SamplingParams
+
+        params, stop = job.params, job.params.get("stop")
         extra: dict = {}
         if stop == []:
             extra["ignore_eos"] = True  # (the SDK's [] : no stop at all, not even EOS)
@@ -90,27 +115,42 @@ class Sampler:
         elif stop:
             extra["stop"] = list(stop)
         max_tokens = params.get("max_tokens") or min(DEFAULT_MAX_TOKENS,
-                                                     self.max_model_len - len(prompt))
+                                                     self.max_model_len - len(job.prompt))
         top_k = int(params.get("top_k", -1))
-        sp = SamplingParams(n=num_samples, temperature=float(params.get("temperature", 1.0)),
-                            top_p=float(params.get("top_p", 1.0)),
-                            top_k=0 if top_k < 0 else top_k, max_tokens=int(max_tokens),
-                            seed=params.get("seed"), logprobs=0,
-                            prompt_logprobs=0 if prompt_logprobs else None,
-                            detokenize=bool(extra.get("stop")), **extra)
-        with self._lock:
-            out = self.llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp,
-                                    lora_request=self._lora(adapter), use_tqdm=False)[0]
-        sequences = []
-        for c in out.outputs:
-            ids = list(c.token_ids)
-            lps = [step[t].logprob for step, t in zip(c.logprobs, ids)]
-            sequences.append((ids, lps, "length" if c.finish_reason == "length" else "stop"))
-        prompt_lp = None
-        if prompt_logprobs:
-            prompt_lp = [math.nan] + [step[t].logprob for step, t in
-                                      zip(out.prompt_logprobs[1:], prompt[1:])]
-        return sample_response(sequences, prompt_lp)
+        return SamplingParams(n=job.num_samples, temperature=float(params.get("temperature",
+                                                                              1.0)),
+                              top_p=float(params.get("top_p", 1.0)),
+                              top_k=0 if top_k < 0 else top_k, max_tokens=int(max_tokens),
+                              seed=None if self.on_cpu else params.get("seed"), logprobs=0,
+                              prompt_logprobs=0 if job.prompt_logprobs else None,
+                              detokenize=bool(extra.get("stop")), **extra)
+
+
+@dataclass
+class SampleJob:
+    """One asample request: its prompt token ids, samples, the SDK's sampling_params, the
+    adapter directory (None: the base) and whether the prompt's logprobs are wanted."""
+
+    prompt: list[int]
+    num_samples: int
+    params: dict
+    adapter: Path | None
+    prompt_logprobs: bool
+
+
+def _response(job: SampleJob, out) -> bytes:
+    from llamarl.service.wire import sample_response
+
+    sequences = []
+    for c in out.outputs:
+        ids = list(c.token_ids)
+        lps = [step[t].logprob for step, t in zip(c.logprobs, ids)]
+        sequences.append((ids, lps, "length" if c.finish_reason == "length" else "stop"))
+    prompt_lp = None
+    if job.prompt_logprobs:
+        prompt_lp = [math.nan] + [step[t].logprob for step, t in
+                                  zip(out.prompt_logprobs[1:], job.prompt[1:])]
+    return sample_response(sequences, prompt_lp)
 
 
 def check_sample(prompt: list[int], num_samples: int, params: dict, vocab: int,

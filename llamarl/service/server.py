@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 from dataclasses import dataclass
@@ -258,7 +257,7 @@ def build_app(svc: TinkerService):
 
     @app.post(API + "/asample")
     async def asample(request: Request):
-        from llamarl.service.sampler import check_sample
+        from llamarl.service.sampler import SampleJob, check_sample
 
         body = await body_of(request)
         sampling()
@@ -279,15 +278,14 @@ def build_app(svc: TinkerService):
         check_sample(prompt, n, params, svc.sampler.vocab, svc.sampler.max_model_len)
         seq_id = body.get("seq_id")
         rid = svc.submit("asample", sampler_id, seq_id,
-                         lambda: svc.sampler.sample(prompt, n, params, adapter, want_prompt))
+                         SampleJob(prompt, n, params, adapter, want_prompt))
         return queued(rid, sample_sequence_ids=[f"{sampler_id}:{seq_id}:{i}"
                                                 for i in range(n)])
 
     @app.post(API + "/retrieve_future")
     async def retrieve_future(request: Request):
         request_id = need(await body_of(request), "request_id")
-        future = await asyncio.get_running_loop().run_in_executor(None, svc.retrieve,
-                                                                  request_id)
+        future = await svc.retrieve(request_id)
         if future is None:
             return bad(f"no request {request_id!r} on this server", 404)
         if not future.done.is_set():
@@ -368,7 +366,7 @@ def start(recipe: str, overrides: list[str]) -> Served:
                           cfg.run.seed)
     tenants = LoraTenants(model, svc_cfg.max_tenants, context,
                           tokenizer.pad_token_id if tokenizer.pad_token_id is not None
-                          else tokenizer.eos_token_id)
+                          else tokenizer.eos_token_id, svc_cfg.micro_batch_tokens)
     directory = Path(svc_cfg.dir or Path(cfg.run.output_dir) / cfg.run.name / "service")
     svc = TinkerService(tenants, cfg.model.path, path, directory, svc_cfg.session_timeout_s,
                         context, sampler, svc_cfg.max_lora_rank)

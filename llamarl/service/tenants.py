@@ -120,11 +120,12 @@ class LoraTenants:
     call from several threads: one operation runs at a time (`lock`)."""
 
     def __init__(self, model: torch.nn.Module, max_tenants: int, max_tokens: int,
-                 pad_id: int):
+                 pad_id: int, micro_batch_tokens: int = 4096):
         if max_tenants < 1:
             raise ValueError(f"max tenants {max_tenants}: give at least 1")
         self.model, self.max_tenants, self.max_tokens = model, max_tenants, max_tokens
         self.pad_id = pad_id
+        self.micro_batch_tokens = max(micro_batch_tokens, max_tokens + 1)
         self.vocab = model.config.vocab_size
         for p in model.parameters():
             p.requires_grad_(False)
@@ -221,41 +222,32 @@ class LoraTenants:
     def forward(self, name: str, data: list[Datum], loss_fn: str | None = None,
                 config: dict | None = None, backward: bool = False) -> ForwardResult:
         """Each datum's target logprobs; with `loss_fn`, the summed loss, and with `backward`
-        its gradient added to the tenant's accumulated one."""
+        its gradient added to the tenant's accumulated one. The data run in micro-batches of
+        at most `micro_batch_tokens` padded positions (`micro_batches`), each one's backward
+        before the next one's forward: the activations held are one micro-batch's (a step's
+        128 sequences of SmolLM2 at once held 13 GiB)."""
         self.check(data, loss_fn, config)
         with self.lock:
             tenant = self.get(name)
             self._activate(name)
-            batch, lengths = _datum_batch(data, self.pad_id)
-            with torch.set_grad_enabled(backward):
-                lp, _ = token_logprobs(self.model, batch, 1.0)
-                per_datum = [lp[i, :n] for i, n in enumerate(lengths)]
-                loss = None
-                if loss_fn is not None:
-                    fn = LOSSES[loss_fn][0]
-                    total = sum(fn(lp_i, d.inputs, config or {})
-                                for lp_i, d in zip(per_datum, data))
-                    if backward:
-                        total.backward()
-                        tenant.pending += 1
-                    loss = float(total.detach())
-            return ForwardResult([x.detach().float() for x in per_datum], loss)
-
-    def forward_backward_custom(self, name: str, data: list[Datum],
-                                grads: list[torch.Tensor]) -> None:
-        """The backward of a client-side loss: `grads[i]` [N_i] is d loss / d logprobs_i as
-        the client computed it on the logprobs of a `forward`; their vector-Jacobian product
-        is added to the tenant's gradient."""
-        self.check(data, None, None)
-        with self.lock:
-            tenant = self.get(name)
-            self._activate(name)
-            batch, lengths = _datum_batch(data, self.pad_id)
-            lp, _ = token_logprobs(self.model, batch, 1.0)
-            total = sum((lp[i, :n] * g.to(lp.dtype)).sum()
-                        for i, (n, g) in enumerate(zip(lengths, grads)))
-            total.backward()
-            tenant.pending += 1
+            per_datum: list[torch.Tensor] = []
+            loss = None if loss_fn is None else 0.0
+            for part in micro_batches(data, self.micro_batch_tokens):
+                batch, lengths = _datum_batch(part, self.pad_id)
+                with torch.set_grad_enabled(backward):
+                    lp, _ = token_logprobs(self.model, batch, 1.0)
+                    lps = [lp[i, :n] for i, n in enumerate(lengths)]
+                    if loss_fn is not None:
+                        fn = LOSSES[loss_fn][0]
+                        total = sum(fn(lp_i, d.inputs, config or {})
+                                    for lp_i, d in zip(lps, part))
+                        if backward:
+                            total.backward()
+                        loss += float(total.detach())
+                per_datum += [x.detach().float() for x in lps]
+            if backward and loss_fn is not None:
+                tenant.pending += 1
+            return ForwardResult(per_datum, loss)
 
     def optim_step(self, name: str, step: AdamStep) -> dict[str, float]:
         """One AdamW step of the tenant's adapter on its accumulated gradient (none
@@ -334,6 +326,24 @@ class LoraTenants:
                 tenant.optimizer.load_state_dict(state["optimizer"])
             else:
                 tenant.optimizer = torch.optim.AdamW(tenant.params, lr=0.0)
+
+
+def micro_batches(data: list[Datum], budget: int) -> list[list[Datum]]:
+    """`data` cut in order into runs whose padded size, (datums) x (longest + 1), is at most
+    `budget` positions (a datum longer than that alone)."""
+    out: list[list[Datum]] = []
+    run: list[Datum] = []
+    longest = 0
+    for d in data:
+        width = max(longest, len(d.tokens)) + 1
+        if run and (len(run) + 1) * width > budget:
+            out.append(run)
+            run, longest = [], 0
+        run.append(d)
+        longest = max(longest, len(d.tokens))
+    if run:
+        out.append(run)
+    return out
 
 
 def _datum_batch(data: list[Datum], pad_id: int) -> tuple[TokenBatch, list[int]]:
