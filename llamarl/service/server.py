@@ -155,14 +155,18 @@ def build_app(svc: TinkerService):
         rid = svc.submit("forward_backward" if backward else "forward", model_id, seq_id, run)
         return queued(rid, model_id=model_id)
 
+    def model_call(body: dict, route: str, run) -> dict:
+        """Queue `run` as the body's model's call number body["seq_id"]."""
+        model_id = body["model_id"]
+        return queued(svc.submit(route, model_id, body.get("seq_id"), run), model_id=model_id)
+
     @app.post(API + "/optim_step")
     async def optim_step(request: Request):
         body = await body_of(request)
         model_id = need(body, "model_id")
         name, step = svc.tenant_of(model_id), adam_of(body)
-        rid = svc.submit("optim_step", model_id, body.get("seq_id"),
-                         lambda: {"metrics": svc.tenants.optim_step(name, step)})
-        return queued(rid, model_id=model_id)
+        return model_call(body, "optim_step",
+                          lambda: {"metrics": svc.tenants.optim_step(name, step)})
 
     @app.post(API + "/save_weights")
     async def save_weights(request: Request):
@@ -170,9 +174,8 @@ def build_app(svc: TinkerService):
         model_id = need(body, "model_id")
         svc.tenant_of(model_id)
         svc.checkpoint_dir(model_id, "weights", body.get("path"), body.get("seq_id"))
-        rid = svc.submit("save_weights", model_id, body.get("seq_id"),
-                         lambda: svc.save_state(model_id, body.get("path"), body.get("seq_id")))
-        return queued(rid, model_id=model_id)
+        return model_call(body, "save_weights",
+                          lambda: svc.save_state(model_id, body.get("path"), body.get("seq_id")))
 
     @app.post(API + "/save_weights_for_sampler")
     async def save_for_sampler(request: Request):
@@ -185,10 +188,9 @@ def build_app(svc: TinkerService):
             need(body, "sampling_session_seq_id")
         else:
             svc.checkpoint_dir(model_id, "sampler_weights", name, body.get("seq_id"))
-        rid = svc.submit("save_weights_for_sampler", model_id, body.get("seq_id"),
-                         lambda: svc.save_for_sampler(model_id, name, body.get("seq_id"),
-                                                      body.get("sampling_session_seq_id")))
-        return queued(rid, model_id=model_id)
+        return model_call(body, "save_weights_for_sampler",
+                          lambda: svc.save_for_sampler(model_id, name, body.get("seq_id"),
+                                                       body.get("sampling_session_seq_id")))
 
     @app.post(API + "/load_weights")
     async def load_weights(request: Request):
