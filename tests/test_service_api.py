@@ -6,6 +6,7 @@ requests answered with their reason while the other tenant trains on untouched."
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from pathlib import Path
@@ -252,5 +253,25 @@ def test_a_client_that_vanishes_frees_its_slot(tiny_model_dir, tmp_path):
         sc = tinker.ServiceClient(base_url=served.url, api_key="tml-local")
         tc = sc.create_lora_training_client(base_model=str(tiny_model_dir), rank=2).result()
         assert tc.forward([_sft_datum([5, 6, 7], 1)], "cross_entropy").result().metrics
+    finally:
+        _stop(served, thread)
+
+
+def test_a_sampling_server_restarted_in_one_process_samples(tiny_model_dir, tmp_path):
+    """A stopped server shuts its vLLM engine down at once. Left to the garbage collector
+    (late: vLLM gc.freeze()s what exists when an engine starts), that engine's shutdown tore
+    down vLLM's process-wide parallel groups under the next engine: "pipeline model parallel
+    group is not initialized" on every sample (a CI failure). The first engine's finalizer,
+    run here by hand once the second is up, is what the collector runs."""
+    first, thread = _serve(tiny_model_dir, tmp_path / "a", sampling=True)
+    _stop(first, thread)
+    collected = first.service.sampler.llm.llm_engine.engine_core._finalizer
+    served, thread = _serve(tiny_model_dir, tmp_path / "b", sampling=True)
+    try:
+        collected()  # (a no-op once the engine was shut down by the server's stop)
+        sc = tinker.ServiceClient(base_url=served.url, api_key="tml-local")
+        base = sc.create_sampling_client(base_model=str(tiny_model_dir)).result()
+        lps = base.compute_logprobs(types.ModelInput.from_ints([5, 6, 7])).result()
+        assert len(lps) == 3 and all(math.isfinite(x) for x in lps[1:])
     finally:
         _stop(served, thread)

@@ -39,6 +39,7 @@ from llamarl.service.tenants import AdamStep, LoraSpec, LoraTenants
 
 LONG_POLL_S = 20.0  # a retrieve_future waits this long for its result (the SDK's own is 45 s)
 TINKER_SCHEME = "tinker://"
+CLOSE_WAIT_S = 60.0  # close() waits this long for the job in progress (a sample call, a step)
 
 
 @dataclass
@@ -122,8 +123,12 @@ class TinkerService:
             t.start()
 
     def close(self) -> None:
+        """Stop the worker (after the job it is running) and the sampler's engine."""
         self._stop.set()
         self._put(None)
+        self._threads[0].join(CLOSE_WAIT_S)
+        if self.sampler is not None:
+            self.sampler.close()
 
     def _put(self, job) -> None:
         with self._wake:

@@ -67,6 +67,15 @@ class Sampler:
         self._ids: dict[str, int] = {}  # adapter directory -> its LoRA id
         self._lock = threading.Lock()
 
+    def close(self) -> None:
+        """Shut the engine down now. vLLM's in-process engine otherwise shuts down when the
+        garbage collector gets to it, and its shutdown tears down vLLM's process-wide
+        parallel groups: an engine made since in this process (a restarted service, the next
+        test) then fails every call with "pipeline model parallel group is not
+        initialized". Idempotent (vLLM detaches its finalizer on the first call)."""
+        with self._lock:
+            self.llm.llm_engine.engine_core.shutdown()
+
     def _lora(self, adapter: Path | None):
         from vllm.lora.request import LoRARequest
 
