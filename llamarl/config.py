@@ -458,6 +458,11 @@ class ServiceConfig:
     sampling: bool = True
     max_lora_rank: int = 32  # the largest LoRA rank a client may ask for (vLLM's adapter slots)
     kv_cache_gib: float = 0.5  # the sampling engine's KV cache on a CPU
+    # how a sampling client's adapter reaches the engine: `adapters`, vLLM's LoRA layers (each
+    # request routed to its adapter by id); `merged`, merged into the engine's weights, one
+    # adapter at a time (service/merged_lora.py: on a CPU vLLM's LoRA layers sample 7-9x
+    # slower than the base); `auto`, merged on a CPU and adapters on a GPU
+    sampling_lora: str = "auto"
 
 
 @dataclass
@@ -504,6 +509,7 @@ _CHOICES = {
     "reward.model_placement": ("generator", "trainer"),
     "rollout.tool_format": ("hermes", "compact"),
     "rollout.on_error": ("stop", "zero"),
+    "service.sampling_lora": ("auto", "merged", "adapters"),
 }
 
 

@@ -175,12 +175,15 @@ def test_sft_and_an_rl_step_on_smollm2_through_the_sdk(smollm2_cache, tmp_path, 
         _stop(served, thread)
 
 
-def test_each_sampling_client_samples_its_own_adapter(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("mode", ["merged", "adapters"])
+def test_each_sampling_client_samples_its_own_adapter(tiny_model_dir, tmp_path, mode):
     """Two tenants trained on different data; each one's sampling clients (saved by name, or
     made by save_weights_and_get_sampling_client) give the prompt logprobs of that tenant's
     own forward, not the other's or the base's: a request routed to the wrong adapter fails
-    this."""
-    served, thread = _serve(tiny_model_dir, tmp_path / "svc", sampling=True)
+    this. With vLLM's LoRA layers (adapters) and with the adapter merged into the engine's
+    weights (merged: the engine switched between adapters and back to the base)."""
+    served, thread = _serve(tiny_model_dir, tmp_path / "svc", f"service.sampling_lora={mode}",
+                            sampling=True)
     try:
         sc = tinker.ServiceClient(base_url=served.url, api_key="tml-local")
         with pytest.raises(tinker.BadRequestError, match="train_unembed=False"):
@@ -199,6 +202,8 @@ def test_each_sampling_client_samples_its_own_adapter(tiny_model_dir, tmp_path):
         own = [torch.tensor(tc.forward([datum], "cross_entropy").result()
                             .loss_fn_outputs[0]["logprobs"].data) for tc in tenants]
         assert not torch.allclose(own[0], own[1], atol=1e-2)
+        base = sc.create_sampling_client(base_model=str(tiny_model_dir)).result()
+        base_before = base.compute_logprobs(types.ModelInput.from_ints(probe)).result()
         named = [sc.create_sampling_client(
             model_path=tc.save_weights_for_sampler(f"n{i}").result().path).result()
             for i, tc in enumerate(tenants)]
@@ -208,10 +213,20 @@ def test_each_sampling_client_samples_its_own_adapter(tiny_model_dir, tmp_path):
                 got = torch.tensor(client.compute_logprobs(
                     types.ModelInput.from_ints(probe)).result()[1:])
                 assert torch.allclose(got, own[i], atol=1e-4), (i, got, own[i])
-        base = sc.create_sampling_client(base_model=str(tiny_model_dir)).result()
-        got = torch.tensor(base.compute_logprobs(types.ModelInput.from_ints(probe))
+        base_after = base.compute_logprobs(types.ModelInput.from_ints(probe)).result()
+        assert base_after[1:] == base_before[1:]  # (merged: the base weights restored exactly)
+        assert not torch.allclose(torch.tensor(base_after[1:]), own[0], atol=1e-2)
+        # a name saved again holds the new weights (not the adapter the engine cached)
+        tenants[0].forward_backward([_sft_datum([5, 6, 7, 8, 9, 10], 1)], "cross_entropy")
+        tenants[0].optim_step(types.AdamParams(learning_rate=5e-2)).result()
+        moved = torch.tensor(tenants[0].forward([datum], "cross_entropy").result()
+                             .loss_fn_outputs[0]["logprobs"].data)
+        assert not torch.allclose(moved, own[0], atol=1e-3)
+        again = sc.create_sampling_client(
+            model_path=tenants[0].save_weights_for_sampler("n0").result().path).result()
+        got = torch.tensor(again.compute_logprobs(types.ModelInput.from_ints(probe))
                            .result()[1:])
-        assert not torch.allclose(got, own[0], atol=1e-2)
+        assert torch.allclose(got, moved, atol=1e-4), (got, moved)
         out = ephemeral[0].sample(types.ModelInput.from_ints([5, 6]), num_samples=3,
                                   sampling_params=types.SamplingParams(max_tokens=4, seed=0)
                                   ).result()

@@ -39,6 +39,8 @@ from llamarl.service.tenants import AdamStep, LoraSpec, LoraTenants
 
 LONG_POLL_S = 20.0  # a retrieve_future waits this long for its result (the SDK's own is 45 s)
 TINKER_SCHEME = "tinker://"
+SAMPLE_QUIET_S = 0.02  # sample requests are gathered into one engine call until this quiet
+SAMPLE_GATHER_S = 0.25  # ... for at most this long after the first
 CLOSE_WAIT_S = 60.0  # close() waits this long for the job in progress (a sample call, a step)
 
 
@@ -143,11 +145,18 @@ class TinkerService:
             first = self._jobs.popleft()
             if first is None or not isinstance(first[1], SampleJob):
                 return [first]
-            batch = [first]
-            while self._jobs and self._jobs[0] is not None and isinstance(self._jobs[0][1],
-                                                                          SampleJob):
-                batch.append(self._jobs.popleft())
-            return batch
+            # a loop's sample requests come as one HTTP request each, a few ms apart: gather
+            # those that keep arriving (until SAMPLE_QUIET_S passes without one, at most
+            # SAMPLE_GATHER_S) so they run as one engine call, not the first alone and then
+            # the rest
+            batch, deadline = [first], time.monotonic() + SAMPLE_GATHER_S
+            while True:
+                while self._jobs and self._jobs[0] is not None and isinstance(
+                        self._jobs[0][1], SampleJob):
+                    batch.append(self._jobs.popleft())
+                left = deadline - time.monotonic()
+                if self._jobs or left <= 0 or not self._wake.wait(min(SAMPLE_QUIET_S, left)):
+                    return batch  # (another kind of job next, the deadline, or quiet)
 
     # --- futures -------------------------------------------------------------------------
 

@@ -7,6 +7,11 @@ to `max_loras` of them resident, the least recently used evicted); the base weig
 vLLM's own copy, never sent. A saved adapter reaches the engine as its adapter tensors,
 read from its directory, never as merged weights.
 
+With `merge` (service.sampling_lora: merged, the default on a CPU, where vLLM's LoRA layers
+sample 7-9x slower than the base), a request's adapter is merged into the engine's weights
+instead (service/merged_lora.py): requests are run in groups by adapter, the engine's weights
+switched between groups, one load of the adapted modules each switch.
+
 Sampled logprobs are vLLM's processed logprobs: log softmax(logits / temperature) of the
 sampled token, the distribution it was drawn from (what `importance_sampling` and the other
 RL losses want as q). `prompt_logprobs` (and compute_logprobs): the logprob of each prompt
@@ -20,6 +25,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from llamarl.service.merged_lora import BaseWeights, adapter_deltas, adapter_key, merged_weights
+
 DEFAULT_MAX_TOKENS = 16  # a request without max_tokens (the SDK omits None)
 
 
@@ -28,7 +35,7 @@ class Sampler:
     `max_loras` resident, sequences of at most `max_model_len` tokens."""
 
     def __init__(self, model_dir: str, dtype: str, max_model_len: int, max_loras: int,
-                 max_lora_rank: int, kv_cache_bytes: int, seed: int):
+                 max_lora_rank: int, kv_cache_bytes: int, seed: int, merge: bool):
         import torch
 
         from llamarl.generator.cpu_fixes import disable_onednn_prepack, eager_logprob_ranks
@@ -54,18 +61,22 @@ class Sampler:
                   else {"gpu_memory_utilization": 0.3})
         self.max_model_len, self.max_lora_rank = max_model_len, max_lora_rank
         with file_store_removed():
+            lora = ({} if merge else  # (merged: no LoRA layers, a base engine)
+                    {"enable_lora": True, "max_loras": max_loras, "max_cpu_loras": max_loras,
+                     "max_lora_rank": engine_lora_rank(max_lora_rank)})
             self.llm = LLM(model=model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
-                           enforce_eager=True, enable_lora=True,
-                           worker_extension_cls=WORKER_EXTENSION, max_loras=max_loras,
-                           max_cpu_loras=max_loras, max_lora_rank=engine_lora_rank(
-                               max_lora_rank), logprobs_mode="processed_logprobs",
-                           **memory)
+                           enforce_eager=True, worker_extension_cls=WORKER_EXTENSION,
+                           logprobs_mode="processed_logprobs", **lora, **memory)
         self.vocab = self.llm.llm_engine.model_config.get_vocab_size()
         self.on_cpu = on_cpu
         self.worker = self.llm.collective_rpc("llamarl_worker")[0]  # (in this process)
         self._calls = 0
-        self._ids: dict[str, int] = {}  # adapter directory -> its LoRA id
+        self._ids: dict[tuple, int] = {}  # adapter (merged_lora.adapter_key) -> its LoRA id
         self._lock = threading.Lock()
+        self.merge = merge
+        self._base = BaseWeights(model_dir) if merge else None
+        self._resident: tuple | None = None  # the adapter merged into the engine's weights
+        self._changed: set[str] = set()  # the weights that differ from the base now
 
     def close(self) -> None:
         """Shut the engine down now. vLLM's in-process engine otherwise shuts down when the
@@ -77,14 +88,29 @@ class Sampler:
             self.llm.llm_engine.engine_core.shutdown()
 
     def _lora(self, adapter: Path | None):
+        """vLLM's request for `adapter`: a new id whenever its contents change (a name saved
+        again), so vLLM never serves the adapter it cached before."""
         from vllm.lora.request import LoRARequest
 
-        if adapter is None:
+        key = adapter_key(adapter)
+        if key is None:
             return None
-        key = str(Path(adapter).resolve())
         if key not in self._ids:
             self._ids[key] = len(self._ids) + 1
-        return LoRARequest(f"adapter{self._ids[key]}", self._ids[key], key)
+        return LoRARequest(f"adapter{self._ids[key]}", self._ids[key], key[0])
+
+    def _merge(self, adapter: Path | None) -> None:
+        """Make the engine's weights the base plus `adapter`'s delta (the base: None)."""
+        key = adapter_key(adapter)
+        if key == self._resident:
+            return
+        deltas = adapter_deltas(adapter) if adapter is not None else {}
+        model = self.worker.model_runner.model
+        names = self._changed | set(deltas)
+        self._resident, self._changed = None, names  # (what a failed load may have touched)
+        model.load_weights(merged_weights(self._base, deltas, names,
+                                          self.llm.llm_engine.model_config.dtype))
+        self._resident, self._changed = key, set(deltas)
 
     def sample(self, jobs: list[SampleJob]) -> list[bytes]:
         """The SDK's SampleResponse (protobuf) for each request, all run in one vLLM generate
@@ -92,23 +118,36 @@ class Sampler:
         with its own sampling parameters and its own adapter), as vLLM batches an engine's
         sequences; one at a time, a request of 8 samples used a small part of what the
         engine decodes in a step."""
+        with self._lock:
+            if not self.merge:
+                outs = self._generate(jobs, [self._lora(j.adapter) for j in jobs])
+                return [_response(j, out) for j, out in zip(jobs, outs)]
+            by_adapter: dict[Path | None, list[int]] = {}
+            for i, job in enumerate(jobs):
+                by_adapter.setdefault(job.adapter, []).append(i)
+            responses: list[bytes] = [b""] * len(jobs)
+            for adapter, indices in by_adapter.items():
+                self._merge(adapter)
+                group = [jobs[i] for i in indices]
+                for i, job, out in zip(indices, group, self._generate(group, None)):
+                    responses[i] = _response(job, out)
+            return responses
+
+    def _generate(self, jobs: list[SampleJob], loras: list | None) -> list:
         from vllm import TokensPrompt
 
-        with self._lock:
-            if self.on_cpu:
-                # vLLM's per-request generators crash on a CPU as soon as it chunks a prefill
-                # or preempts a sequence ("CPU Generator does not use offset",
-                # docs/generator.md): the call's sampler is seeded instead, with the first
-                # request's seed (a lone request is reproducible; batched, its draws also
-                # depend on the requests beside it)
-                seeds = [j.params["seed"] for j in jobs if j.params.get("seed") is not None]
-                self._calls += 1
-                self.worker.llamarl_seed_sampler(seeds[0] if seeds else self._calls)
-            outs = self.llm.generate([TokensPrompt(prompt_token_ids=j.prompt) for j in jobs],
-                                     [self._params(j) for j in jobs],
-                                     lora_request=[self._lora(j.adapter) for j in jobs],
-                                     use_tqdm=False)
-        return [_response(j, out) for j, out in zip(jobs, outs)]
+        if self.on_cpu:
+            # vLLM's per-request generators crash on a CPU as soon as it chunks a prefill or
+            # preempts a sequence ("CPU Generator does not use offset", docs/generator.md):
+            # the call's sampler is seeded instead, with the first request's seed (a lone
+            # request is reproducible; batched, its draws also depend on the requests beside
+            # it)
+            seeds = [j.params["seed"] for j in jobs if j.params.get("seed") is not None]
+            self._calls += 1
+            self.worker.llamarl_seed_sampler(seeds[0] if seeds else self._calls)
+        return self.llm.generate([TokensPrompt(prompt_token_ids=j.prompt) for j in jobs],
+                                 [self._params(j) for j in jobs], lora_request=loras,
+                                 use_tqdm=False)
 
     def _params(self, job: SampleJob):
         from vllm import SamplingParams

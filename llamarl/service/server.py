@@ -361,11 +361,15 @@ def start(recipe: str, overrides: list[str]) -> Served:
                                                svc_cfg.max_tokens))
     sampler = None
     if svc_cfg.sampling:
+        import torch
+
         from llamarl.service.sampler import Sampler
 
+        merge = (svc_cfg.sampling_lora == "merged" or svc_cfg.sampling_lora == "auto"
+                 and not torch.cuda.is_available())
         sampler = Sampler(path, cfg.model.dtype, context, svc_cfg.max_tenants,
                           svc_cfg.max_lora_rank, int(svc_cfg.kv_cache_gib * (1 << 30)),
-                          cfg.run.seed)
+                          cfg.run.seed, merge)
     tenants = LoraTenants(model, svc_cfg.max_tenants, context,
                           tokenizer.pad_token_id if tokenizer.pad_token_id is not None
                           else tokenizer.eos_token_id, svc_cfg.micro_batch_tokens)
