@@ -64,10 +64,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--eval-samples", type=int, default=2)
+    ap.add_argument("--eval-rows", type=int, default=128, help="held-out prompts evaluated")
     args = ap.parse_args()
 
     train = [json.loads(line) for line in open(args.train)]
-    held_out = [json.loads(line) for line in open(args.eval)]
+    held_out = [json.loads(line) for line in open(args.eval)][:args.eval_rows]
     sc = tinker.ServiceClient(base_url=args.base_url, api_key="tml-local")
     tc = sc.create_lora_training_client(base_model=args.base_model, rank=args.rank,
                                         seed=args.seed, train_unembed=False).result()

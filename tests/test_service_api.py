@@ -130,7 +130,8 @@ def test_sft_and_an_rl_step_on_smollm2_through_the_sdk(smollm2_cache, tmp_path, 
     one RL step as the cookbook's rl_loop takes it: sample a group from the trained adapter,
     score it, importance_sampling with the sampler's logprobs, optim_step."""
     monkeypatch.setenv("LLAMARL_CACHE", smollm2_cache)
-    served, thread = _serve("smollm2:135m-instruct", tmp_path / "svc", sampling=True)
+    served, thread = _serve("smollm2:135m-instruct", tmp_path / "svc", "service.max_tenants=8",
+                            sampling=True)
     try:
         sc = tinker.ServiceClient(base_url=served.url, api_key="tml-local")
         tc = sc.create_lora_training_client(base_model="smollm2:135m-instruct", rank=8,
@@ -171,8 +172,38 @@ def test_sft_and_an_rl_step_on_smollm2_through_the_sdk(smollm2_cache, tmp_path, 
         for s, o in zip(group.sequences, out.loss_fn_outputs):
             got = torch.tensor(o["logprobs"].data)[len(p) - 1:]
             assert torch.allclose(got, torch.tensor(s.logprobs), atol=2e-3), (got, s.logprobs)
+        _examples_run(served.url)
     finally:
         _stop(served, thread)
+
+
+def _example(script: str, url: str, *args: str) -> list[dict]:
+    """Run examples/<script> against the server; -> its JSON lines."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, f"examples/{script}", "--base-url", url, *args],
+                          capture_output=True, text=True, timeout=600, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def _examples_run(url: str) -> None:
+    """The two runnable examples of docs/service.md, a step or two each (their learning
+    runs are benchmarks: bench/service_rl.py)."""
+    rows = _example("tinker_sl_loop.py", url, "--steps", "2", "--batch", "4", "--eval-every",
+                    "1", "--eval-rows", "4", "--save-every", "2")
+    assert [r["step"] for r in rows[:2]] == [0, 1] and rows[-1]["answer"], rows
+    assert all(math.isfinite(r["train_loss"]) and r["held_out_loss"] > 0 for r in rows[:2])
+    resumed = _example("tinker_sl_loop.py", url, "--resume", rows[1]["state"], "--steps", "1",
+                       "--batch", "4", "--eval-every", "0", "--save-every", "0")
+    assert math.isfinite(resumed[0]["train_loss"]), resumed
+    rl = _example("tinker_rl_loop.py", url, "--steps", "1", "--prompts", "2", "--group", "4",
+                  "--max-tokens", "8", "--eval-every", "1", "--eval-rows", "4",
+                  "--eval-samples", "1")
+    assert [r["step"] for r in rl] == [0, 1] and 0 <= rl[0]["reward"] <= 1, rl
+    assert all(0 <= r["held_out"] <= 1 for r in rl), rl
 
 
 @pytest.mark.parametrize("mode", ["merged", "adapters"])
