@@ -85,6 +85,7 @@ def main() -> None:
         if step == args.steps:
             print(json.dumps(row), flush=True)
             break
+        t_sample = time.time()
         batch = [train[order[(step * args.prompts + i) % len(order)]]
                  for i in range(args.prompts)]
         prompts = [prompt_tokens(tok, r["prompt"]) for r in batch]
@@ -113,11 +114,14 @@ def main() -> None:
                         "advantages": [0.0] * (len(p) - 1) + [x - mean] * n}))
         row["reward"] = sum(rewards) / len(rewards)
         row["datums"] = len(data)
+        t_train = time.time()
+        row["sample_s"] = round(t_train - t_sample, 2)
         if data:
             fb = tc.forward_backward(data, "importance_sampling")
             opt = tc.optim_step(types.AdamParams(learning_rate=args.lr))
             row["loss_sum"] = fb.result().metrics["loss:sum"]
             opt.result()
+            row["train_s"] = round(time.time() - t_train, 2)
         print(json.dumps(row), flush=True)
 
 
