@@ -121,8 +121,39 @@ def test_the_sdk_trains_saves_and_a_restarted_server_resumes(tiny_model_dir, tmp
         assert resumed.forward(data, "cross_entropy").result().metrics["loss:sum"] == next_loss
         with pytest.raises(tinker.BadRequestError, match="no saved state"):
             sc.create_training_client_from_state("tinker://nobody:train:0/weights/x").result()
+        _rest_client_lists(served.url, saved, resumed.model_id)
     finally:
         _stop(served, thread)
+
+
+def _rest_client_lists(url: str, saved: str, live: str) -> None:
+    """The SDK's RestClient on a restarted server: the first server's run (from disk) and the
+    live one, their checkpoints, the session; a checkpoint deleted is gone."""
+    rest = tinker.RestClient(base_url=url, api_key="tml-local")
+    old = saved[len("tinker://"):].split("/")[0]
+    assert [c.checkpoint_id for c in rest.list_checkpoints(old).result().checkpoints] == [
+        "weights/after4", "sampler_weights/s4"]
+    run = rest.get_training_run_by_tinker_path(saved).result()
+    assert (run.training_run_id, run.lora_rank, run.is_lora) == (old, 4, True)
+    assert run.last_checkpoint.tinker_path == saved
+    assert run.last_sampler_checkpoint.checkpoint_id == "sampler_weights/s4"
+    runs = rest.list_training_runs().result()
+    assert [r.training_run_id for r in runs.training_runs] == [live, old]  # (newest first)
+    assert runs.cursor.total_count == 2
+    assert rest.get_training_run(live).result().last_checkpoint is None
+    every = rest.list_user_checkpoints(limit=1).result()
+    assert len(every.checkpoints) == 1 and every.cursor.total_count == 2
+    session = live.rsplit(":train:", 1)[0]
+    assert rest.get_session(session).result().training_run_ids == [live]
+    assert session in rest.list_sessions().result().sessions
+    rest.delete_checkpoint_from_tinker_path(saved.replace("/weights/after4",
+                                                          "/sampler_weights/s4")).result()
+    assert [c.checkpoint_id for c in rest.list_checkpoints(old).result().checkpoints] == [
+        "weights/after4"]
+    with pytest.raises(tinker.NotFoundError, match="no checkpoint"):
+        rest.delete_checkpoint(old, "weights/none").result()
+    with pytest.raises(tinker.NotFoundError, match="no training run"):
+        rest.get_training_run("nobody:train:0").result()
 
 
 def test_sft_and_an_rl_step_on_smollm2_through_the_sdk(smollm2_cache, tmp_path, monkeypatch):

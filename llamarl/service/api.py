@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from llamarl.service.runs import RunStore, page, safe_name
 from llamarl.service.sampler import SampleJob
 from llamarl.service.tenants import AdamStep, LoraSpec, LoraTenants
 
@@ -108,6 +109,8 @@ class TinkerService:
         self.max_context = max_context
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, str] = {}  # model id -> tenant (adapter) name
+        self.last_request: dict[str, float] = {}  # model id -> time.time() of its last call
+        self.runs = RunStore(self.directory)
         self.futures: dict[str, Future] = {}
         self.submitted: dict[tuple, str] = {}  # (route, model id, seq_id) -> request id
         self.lock = threading.Lock()
@@ -166,6 +169,8 @@ class TinkerService:
         future. A submission already seen (a retry) returns the first one's id."""
         key = (route, model_id, seq_id)
         with self.lock:
+            if model_id is not None:
+                self.last_request[model_id] = time.time()
             if seq_id is not None and key in self.submitted:
                 return self.submitted[key]
             request_id = f"req-{next(self._ids)}"
@@ -232,6 +237,7 @@ class TinkerService:
     def _drop(self, model_id: str) -> None:
         with self.lock:
             name = self.models.pop(model_id, None)
+            self.last_request.pop(model_id, None)
         if name is not None:
             self.tenants.remove(name)
 
@@ -289,6 +295,7 @@ class TinkerService:
                 raise
         with self.lock:
             self.models[model_id] = name
+            self.last_request[model_id] = time.time()
             if session_id in self.sessions:
                 self.sessions[session_id].models.append(model_id)
         return {"model_id": model_id, "type": "create_model"}
@@ -301,14 +308,14 @@ class TinkerService:
         name = name or f"step{seq_id}"
         if not re.fullmatch(r"[A-Za-z0-9_.\-]+", name) or name in (".", ".."):
             raise ValueError(f"checkpoint name {name!r}: use letters, digits, '_', '-', '.'")
-        return (self.directory / _safe(model_id) / kind / name,
+        return (self.directory / safe_name(model_id) / kind / name,
                 f"{TINKER_SCHEME}{model_id}/{kind}/{name}")
 
     def resolve(self, path: str, kind: str) -> Path:
         """A tinker:// path (or a local directory) of a saved checkpoint."""
         if path.startswith(TINKER_SCHEME):
             model_id, _, rest = path[len(TINKER_SCHEME):].partition("/")
-            local = self.directory / _safe(model_id) / rest
+            local = self.directory / safe_name(model_id) / rest
         else:
             local = Path(path)
         if not (local / "meta.json").is_file():
@@ -361,6 +368,57 @@ class TinkerService:
                 raise KeyError(f"no sampling client {sampler_id!r} on this server: make one "
                                "(create_sampling_client, save_weights_and_get_sampling_client)")
             return self.samplers[sampler_id]
+
+    # --- listing (the RestClient's routes: service/runs.py) --------------------------------
+
+    def training_run(self, model_id: str) -> dict:
+        with self.lock:
+            name = self.models.get(model_id)
+            when = self.last_request.get(model_id)
+        live = (None if name is None else
+                {"rank": self.tenants.get(name).spec.rank, "last_request": when})
+        return self.runs.training_run(model_id, self.runs.run_dir(model_id), self.base_model,
+                                      live)
+
+    def training_runs(self, limit: int | None, offset: int | None) -> dict:
+        """Live models and the runs saved on disk, the most recent first."""
+        with self.lock:
+            ids = set(self.models)
+        ids |= set(self.runs.run_dirs())
+        runs = sorted((self.training_run(m) for m in ids),
+                      key=lambda r: r["last_request_time"], reverse=True)
+        items, cursor = page(runs, limit, offset)
+        return {"training_runs": items, "cursor": cursor}
+
+    def checkpoints(self, model_id: str | None, limit=None, offset=None) -> dict:
+        """One run's checkpoints (oldest first, as the SDK lists them), or with no model id
+        every run's, the newest first, paged."""
+        if model_id is not None:
+            if model_id not in self.models and self.runs.run_dir(model_id) is None:
+                raise KeyError(f"no training run {model_id!r} on this server")
+            return {"checkpoints": self.runs.checkpoints(model_id,
+                                                         self.runs.run_dir(model_id))}
+        every = [c for m, run in self.runs.run_dirs().items()
+                 for c in self.runs.checkpoints(m, run)]
+        items, cursor = page(sorted(every, key=lambda c: c["time"], reverse=True), limit,
+                             offset)
+        return {"checkpoints": items, "cursor": cursor}
+
+    def delete_checkpoint(self, model_id: str, checkpoint_id: str) -> None:
+        self.runs.delete(model_id, self.runs.run_dir(model_id), checkpoint_id)
+
+    def session_info(self, session_id: str) -> dict:
+        with self.lock:
+            if session_id not in self.sessions:
+                raise KeyError(f"no session {session_id!r} on this server")
+            models = list(self.sessions[session_id].models)
+            samplers = [s for s in self.samplers if s.startswith(f"{session_id}:sample:")]
+        return {"training_run_ids": models, "sampler_ids": samplers}
+
+    def session_ids(self, limit: int | None, offset: int | None) -> dict:
+        with self.lock:
+            ids = list(reversed(self.sessions))  # (the newest first)
+        return {"sessions": page(ids, limit, offset)[0]}
 
 
 def save_state(directory: Path, state: dict, model_id: str) -> None:
@@ -422,10 +480,6 @@ def _optimizer_template(meta: dict) -> dict:
              "differentiable": False, "fused": None, "decoupled_weight_decay": True,
              "params": list(range(meta["params"]))}
     return {"state": state, "param_groups": [group]}
-
-
-def _safe(model_id: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.\-]", "_", model_id)
 
 
 def spec_of(lora_config: dict | None, default_seed: int) -> LoraSpec:

@@ -257,6 +257,37 @@ def build_app(svc: TinkerService):
         return {"sampler_id": sampler_id, "base_model": svc.base_model,
                 "model_path": None if adapter is None else str(adapter)}
 
+    # --- the RestClient's listing (service/runs.py): runs, checkpoints, sessions ------------
+
+    @app.get(API + "/training_runs")
+    async def training_runs(limit: int | None = None, offset: int | None = None):
+        return svc.training_runs(limit, offset)
+
+    @app.get(API + "/training_runs/{model_id}")
+    async def training_run(model_id: str):
+        return svc.training_run(model_id)
+
+    @app.get(API + "/training_runs/{model_id}/checkpoints")
+    async def run_checkpoints(model_id: str):
+        return svc.checkpoints(model_id)
+
+    @app.delete(API + "/training_runs/{model_id}/checkpoints/{checkpoint_id:path}")
+    async def delete_checkpoint(model_id: str, checkpoint_id: str):
+        svc.delete_checkpoint(model_id, checkpoint_id)
+        return Response(status_code=204)
+
+    @app.get(API + "/checkpoints")
+    async def all_checkpoints(limit: int | None = None, offset: int | None = None):
+        return svc.checkpoints(None, limit, offset)
+
+    @app.get(API + "/sessions")
+    async def sessions(limit: int | None = None, offset: int | None = None):
+        return svc.session_ids(limit, offset)
+
+    @app.get(API + "/sessions/{session_id}")
+    async def session(session_id: str):
+        return svc.session_info(session_id)
+
     @app.post(API + "/asample")
     async def asample(request: Request):
         from llamarl.service.sampler import SampleJob, check_sample
