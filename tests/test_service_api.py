@@ -327,8 +327,21 @@ def test_a_client_that_vanishes_frees_its_slot(tiny_model_dir, tmp_path):
             assert time.monotonic() < deadline, "the silent session was never ended"
             time.sleep(0.2)
         assert gone.status_code == 404 and "no model" in gone.json()["detail"]
+        beat = httpx.post(api + "/session_heartbeat", json={"session_id": session})
+        assert beat.status_code == 410 and "no session" in beat.json()["detail"]  # (the SDK
+        # stops heartbeating a session on a 410)
         sc = tinker.ServiceClient(base_url=served.url, api_key="tml-local")
         tc = sc.create_lora_training_client(base_model=str(tiny_model_dir), rank=2).result()
+        assert tc.forward([_sft_datum([5, 6, 7], 1)], "cross_entropy").result().metrics
+        # finished calls' results are dropped after FUTURE_KEEP_S (none pending is)
+        from llamarl.service.api import FUTURE_KEEP_S
+        svc = served.service
+        held = len(svc.futures)
+        assert held >= 3 and svc.prune_futures(time.monotonic()) == 0
+        assert svc.prune_futures(time.monotonic() + FUTURE_KEEP_S + 1) == held
+        assert not svc.futures and not svc.submitted
+        old = httpx.post(api + "/retrieve_future", json={"request_id": rid}, timeout=30)
+        assert old.status_code == 404 and "no request" in old.json()["detail"]
         assert tc.forward([_sft_datum([5, 6, 7], 1)], "cross_entropy").result().metrics
     finally:
         _stop(served, thread)

@@ -42,6 +42,10 @@ LONG_POLL_S = 20.0  # a retrieve_future waits this long for its result (the SDK'
 TINKER_SCHEME = "tinker://"
 SAMPLE_QUIET_S = 0.02  # sample requests are gathered into one engine call until this quiet
 SAMPLE_GATHER_S = 0.25  # ... for at most this long after the first
+# a finished call's result is kept this long for the client to retrieve (the SDK retrieves
+# at once and retries for minutes at most), then dropped: a server that runs for weeks would
+# otherwise hold every result it ever sent (a sample's tokens, a forward's logprobs)
+FUTURE_KEEP_S = 900.0
 CLOSE_WAIT_S = 60.0  # close() waits this long for the job in progress (a sample call, a step)
 
 
@@ -59,11 +63,13 @@ class Future:
     # holds at once (a step's 16 sample requests, 128 in an evaluation), and a thread per
     # poll in the loop's small default pool queued them behind each other for minutes
     waiters: list = field(default_factory=list)
+    finished_at: float | None = None  # time.monotonic() of finish(): pruned FUTURE_KEEP_S on
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def finish(self) -> None:
         """Called by the worker once `result` or `error` is set."""
         with self._lock:
+            self.finished_at = time.monotonic()
             self.done.set()
             waiters, self.waiters = self.waiters, []
         for loop, event in waiters:
@@ -241,9 +247,21 @@ class TinkerService:
         if name is not None:
             self.tenants.remove(name)
 
+    def prune_futures(self, now: float) -> int:
+        """Drop the futures finished more than FUTURE_KEEP_S before `now` (and the retry
+        keys that lead to them); -> how many."""
+        with self.lock:
+            old = {rid for rid, f in self.futures.items()
+                   if f.finished_at is not None and now - f.finished_at > FUTURE_KEEP_S}
+            for rid in old:
+                del self.futures[rid]
+            self.submitted = {k: rid for k, rid in self.submitted.items() if rid not in old}
+        return len(old)
+
     def _reap(self) -> None:
         while not self._stop.wait(1.0):
             now = time.monotonic()
+            self.prune_futures(now)
             with self.lock:
                 gone = [s for s, v in self.sessions.items()
                         if now - v.last_seen > self.session_timeout_s]

@@ -92,7 +92,10 @@ def build_app(svc: TinkerService):
 
     @app.post(API + "/session_heartbeat")
     async def heartbeat(request: Request):
-        svc.touch(need(await body_of(request), "session_id"))
+        try:
+            svc.touch(need(await body_of(request), "session_id"))
+        except KeyError as e:  # (410: the SDK stops that session's heartbeats, 404 it retries)
+            return bad(str(e).strip("'\""), 410)
         return {"type": "session_heartbeat"}
 
     @app.api_route(API + "/sessions/{session_id}/finish", methods=["POST", "PUT"])
