@@ -82,7 +82,11 @@ def test_the_other_served_methods_through_the_sdk(tiny_model_dir, tmp_path):
         assert rest.get_sampler(sampling._sampling_session_id).result().model_path.endswith(
             "sampler_weights/one")
 
-        # close: the session ends and its training clients are freed
+        # close: the session ends, its training clients are freed, the adapters saved for
+        # its sampling clients alone deleted (the named ones stay)
+        ephemeral = custom.save_weights_and_get_sampling_client().result()
+        unnamed = served.service.adapter_of(ephemeral._sampling_session_id)
+        assert unnamed.is_dir() and unnamed.name.startswith("ephemeral-")
         sc.close("success").result()
         deadline = time.monotonic() + 30
         while (info := httpx.post(served.url + "/api/v1/get_info",
@@ -90,6 +94,12 @@ def test_the_other_served_methods_through_the_sdk(tiny_model_dir, tmp_path):
             assert time.monotonic() < deadline, "close() did not free the training clients"
             time.sleep(0.1)
         assert info.status_code == 404 and "no model" in info.json()["detail"]
+        deadline = time.monotonic() + 30
+        while unnamed.exists():
+            assert time.monotonic() < deadline, "the session's unnamed adapter was kept"
+            time.sleep(0.1)
+        assert (tmp_path / path[len("tinker://"):].split("/")[0].replace(":", "_")
+                / "sampler_weights" / "one" / "meta.json").is_file()
     finally:
         served.stop()
         thread.join(60)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import shutil
 import threading
 import time
 import warnings
@@ -40,6 +41,7 @@ from llamarl.service.tenants import AdamStep, LoraSpec, LoraTenants
 
 LONG_POLL_S = 20.0  # a retrieve_future waits this long for its result (the SDK's own is 45 s)
 TINKER_SCHEME = "tinker://"
+EPHEMERAL = "ephemeral-"  # the name of an adapter saved for one sampling client
 SAMPLE_QUIET_S = 0.02  # sample requests are gathered into one engine call until this quiet
 SAMPLE_GATHER_S = 0.25  # ... for at most this long after the first
 # a finished call's result is kept this long for the client to retrieve (the SDK retrieves
@@ -235,10 +237,18 @@ class TinkerService:
             self.sessions[session_id].last_seen = time.monotonic()
 
     def end_session(self, session_id: str) -> None:
+        """The session's training clients freed, its sampling clients closed and the adapters
+        saved for them alone (save_weights_and_get_sampling_client's, unnamed) deleted: a
+        loop saves one a step, which a server running for weeks would otherwise keep."""
         with self.lock:
             session = self.sessions.pop(session_id, None)
+            mine = [s for s in self.samplers if s.startswith(f"{session_id}:sample:")]
+            adapters = [self.samplers.pop(s) for s in mine]
         for model_id in session.models if session else ():
             self._put((None, lambda m=model_id: self._drop(m)))
+        for adapter in adapters:
+            if adapter is not None and adapter.name.startswith(EPHEMERAL):
+                self._put((None, lambda a=adapter: shutil.rmtree(a, ignore_errors=True)))
 
     def _drop(self, model_id: str) -> None:
         with self.lock:
@@ -357,7 +367,7 @@ class TinkerService:
 
         ephemeral = name is None
         if ephemeral:
-            name = f"ephemeral-{sampling_seq_id}-{seq_id}"
+            name = f"{EPHEMERAL}{sampling_seq_id}-{seq_id}"
         directory, path = self.checkpoint_dir(model_id, "sampler_weights", name, seq_id)
         tenant = self.tenant_of(model_id)
         directory.mkdir(parents=True, exist_ok=True)
