@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -359,40 +360,102 @@ class Served:
 
 
 def main(argv: list[str]) -> int:
-    """python -m llamarl.service RECIPE [key=value ...]: load model.path once and serve it."""
+    """python -m llamarl.service RECIPE [key=value ...]: load model.path once and serve it.
+    Under torchrun with N ranks: rank 0 serves, ranks 1..N-1 follow it (service/ranks.py)."""
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.split("\n\n")[0] + "\nusage: python -m llamarl.service RECIPE "
-              "[key=value ...]", file=sys.stderr)
+        print(__doc__.split("\n\n")[0] + "\nusage: [torchrun --nproc-per-node N -m | "
+              "python -m] llamarl.service RECIPE [key=value ...]", file=sys.stderr)
         return 2
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        if dist.get_rank() > 0:
+            return _follow(argv[0], argv[1:])
     try:
         served = start(argv[0], argv[1:])
     except ValueError as e:
         print(f"llamarl service: {e}", file=sys.stderr, flush=True)
+        if world > 1:
+            _stop_followers()
         return 1
     print(f"llamarl service: {served.url}  (export TINKER_BASE_URL={served.url}; "
-          f"base_model={served.service.base_model!r})", flush=True)
+          f"base_model={served.service.base_model!r}"
+          + (f"; {world} trainer ranks" if world > 1 else "") + ")", flush=True)
     try:
         served.serve()
     except KeyboardInterrupt:
         pass
+    finally:
+        if world > 1:
+            served.service.tenants.stop()
     return 0
 
 
-def start(recipe: str, overrides: list[str]) -> Served:
-    """Load the recipe's model, build the service and bind its port (not yet serving)."""
-    import socket
-
-    import uvicorn
+def _follow(recipe: str, overrides: list[str]) -> int:
+    """A trainer rank > 0: the tenants' replicas, run as rank 0 says (service/ranks.py)."""
+    import signal
 
     from llamarl.config import load_config
+    from llamarl.service.ranks import follow
+
+    # Ctrl-C reaches every rank, and torchrun then sends SIGTERM: a follower waits for rank
+    # 0's stop instead (rank 0 stops on either signal and sends it), so no rank dies inside a
+    # collective the others are in. (A rank 0 that died: torchrun's SIGKILL ends this one.)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        cfg = load_config(recipe, overrides)
+        tenants = load_tenants(cfg)[0]
+    except ValueError:
+        _stop_followers()  # (receives rank 0's stop: rank 0 fails on the same recipe, says
+        # why and stops every rank)
+        return 1
+    follow(tenants)
+    return 0
+
+
+def _stop_followers() -> None:
+    """Rank 0 failed to start: the stop that ends the followers (on a follower: received)."""
+    import torch.distributed as dist
+
+    dist.broadcast_object_list([("stop",)], src=0)
+
+
+def load_tenants(cfg):
+    """The recipe's base model with room for its tenants; -> (LoraTenants, tokenizer, the
+    model's local directory, the context: a datum's positions at most)."""
     from llamarl.service.model import load_base
     from llamarl.service.tenants import LoraTenants
 
-    cfg = load_config(recipe, overrides)
     svc_cfg = cfg.service
     model, tokenizer, path = load_base(cfg.model.path, cfg.model.dtype)
     context = min(svc_cfg.max_tokens, getattr(model.config, "max_position_embeddings",
                                                svc_cfg.max_tokens))
+    tenants = LoraTenants(model, svc_cfg.max_tenants, context,
+                          tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                          else tokenizer.eos_token_id, svc_cfg.micro_batch_tokens)
+    return tenants, tokenizer, path, context
+
+
+def start(recipe: str, overrides: list[str]) -> Served:
+    """Load the recipe's model, build the service and bind its port (not yet serving). In a
+    world of several ranks (this is rank 0), the tenants are replicated on the others."""
+    import socket
+
+    import torch.distributed as dist
+    import uvicorn
+
+    from llamarl.config import load_config
+
+    cfg = load_config(recipe, overrides)
+    svc_cfg = cfg.service
+    tenants, tokenizer, path, context = load_tenants(cfg)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        from llamarl.service.ranks import ReplicatedTenants
+
+        tenants = ReplicatedTenants(tenants)
     sampler = None
     if svc_cfg.sampling:
         import torch
@@ -404,9 +467,6 @@ def start(recipe: str, overrides: list[str]) -> Served:
         sampler = Sampler(path, cfg.model.dtype, context, svc_cfg.max_tenants,
                           svc_cfg.max_lora_rank, int(svc_cfg.kv_cache_gib * (1 << 30)),
                           cfg.run.seed, merge)
-    tenants = LoraTenants(model, svc_cfg.max_tenants, context,
-                          tokenizer.pad_token_id if tokenizer.pad_token_id is not None
-                          else tokenizer.eos_token_id, svc_cfg.micro_batch_tokens)
     directory = Path(svc_cfg.dir or Path(cfg.run.output_dir) / cfg.run.name / "service")
     svc = TinkerService(tenants, cfg.model.path, path, directory, svc_cfg.session_timeout_s,
                         context, sampler, svc_cfg.max_lora_rank)

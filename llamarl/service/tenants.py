@@ -142,12 +142,7 @@ class LoraTenants:
         from peft import LoraConfig, inject_adapter_in_model
 
         with self.lock:
-            if name in self.tenants:
-                raise ValueError(f"model {name!r} exists already")
-            if len(self.tenants) >= self.max_tenants:
-                raise ValueError(f"this server holds at most {self.max_tenants} LoRA models "
-                                 f"and has {len(self.tenants)}: unload one (or raise "
-                                 "service.max_tenants)")
+            self.check_create(name)
             config = LoraConfig(r=spec.rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
                                 target_modules=spec.target_modules(), bias="none")
             with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
@@ -165,6 +160,15 @@ class LoraTenants:
             self.tenants[name] = tenant
             self._active = None  # injection may have changed which adapters are active
             return tenant
+
+    def check_create(self, name: str) -> None:
+        """A ValueError when a tenant `name` cannot be created now."""
+        if name in self.tenants:
+            raise ValueError(f"model {name!r} exists already")
+        if len(self.tenants) >= self.max_tenants:
+            raise ValueError(f"this server holds at most {self.max_tenants} LoRA models "
+                             f"and has {len(self.tenants)}: unload one (or raise "
+                             "service.max_tenants)")
 
     def remove(self, name: str) -> None:
         from peft.tuners.tuners_utils import delete_adapter
