@@ -71,10 +71,12 @@ def check_vllm_ranks() -> None:
                            f"{_CHECKED}): update that list")
 
 
-def engine_lora_args(rank: int) -> dict:
-    """The vLLM engine arguments for adapters of rank `rank`: one adapter at a time."""
+def engine_lora_args(rank: int, max_loras: int = 1) -> dict:
+    """The vLLM engine arguments for adapters of rank `rank`, `max_loras` resident at once
+    (the recipe loop's engine: one; vLLM keeps as many in CPU memory)."""
     check_vllm_ranks()
-    return {"enable_lora": True, "max_lora_rank": engine_lora_rank(rank), "max_loras": 1}
+    return {"enable_lora": True, "max_lora_rank": engine_lora_rank(rank),
+            "max_loras": max_loras}
 
 
 def lora_request():

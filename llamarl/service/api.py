@@ -41,6 +41,7 @@ from llamarl.service.tenants import AdamStep, LoraSpec, LoraTenants
 
 LONG_POLL_S = 20.0  # a retrieve_future waits this long for its result (the SDK's own is 45 s)
 TINKER_SCHEME = "tinker://"
+SAMPLER_TAG = ":sample:"  # a sampling client's id: <session id>:sample:<its seq id>
 EPHEMERAL = "ephemeral-"  # the name of an adapter saved for one sampling client
 SAMPLE_QUIET_S = 0.02  # sample requests are gathered into one engine call until this quiet
 SAMPLE_GATHER_S = 0.25  # ... for at most this long after the first
@@ -242,8 +243,7 @@ class TinkerService:
         loop saves one a step, which a server running for weeks would otherwise keep."""
         with self.lock:
             session = self.sessions.pop(session_id, None)
-            mine = [s for s in self.samplers if s.startswith(f"{session_id}:sample:")]
-            adapters = [self.samplers.pop(s) for s in mine]
+            adapters = [self.samplers.pop(s) for s in self._samplers_of(session_id)]
         for model_id in session.models if session else ():
             self._put((None, lambda m=model_id: self._drop(m)))
         for adapter in adapters:
@@ -385,10 +385,14 @@ class TinkerService:
         return {"path": path, "type": "save_weights_for_sampler"}
 
     def add_sampler(self, session_id: str, sampling_seq_id, adapter: Path | None) -> str:
-        sampler_id = f"{session_id}:sample:{sampling_seq_id}"
+        sampler_id = f"{session_id}{SAMPLER_TAG}{sampling_seq_id}"
         with self.lock:
             self.samplers[sampler_id] = adapter
         return sampler_id
+
+    def _samplers_of(self, session_id: str) -> list[str]:
+        """The session's sampling client ids (call holding `lock`)."""
+        return [s for s in self.samplers if s.startswith(f"{session_id}{SAMPLER_TAG}")]
 
     def adapter_of(self, sampler_id: str) -> Path | None:
         with self.lock:
@@ -440,7 +444,7 @@ class TinkerService:
             if session_id not in self.sessions:
                 raise KeyError(f"no session {session_id!r} on this server")
             models = list(self.sessions[session_id].models)
-            samplers = [s for s in self.samplers if s.startswith(f"{session_id}:sample:")]
+            samplers = self._samplers_of(session_id)
         return {"training_run_ids": models, "sampler_ids": samplers}
 
     def session_ids(self, limit: int | None, offset: int | None) -> dict:

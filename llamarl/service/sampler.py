@@ -46,7 +46,7 @@ class Sampler:
             warn_if_other_vllm,
         )
         from llamarl.generator.log_hygiene import quiet_third_party
-        from llamarl.generator.lora_adapter import engine_lora_rank
+        from llamarl.generator.lora_adapter import engine_lora_args
 
         on_cpu = not torch.cuda.is_available()
         prepare_environment(None, on_cpu)
@@ -61,9 +61,8 @@ class Sampler:
                   else {"gpu_memory_utilization": 0.3})
         self.max_model_len, self.max_lora_rank = max_model_len, max_lora_rank
         with file_store_removed():
-            lora = ({} if merge else  # (merged: no LoRA layers, a base engine)
-                    {"enable_lora": True, "max_loras": max_loras, "max_cpu_loras": max_loras,
-                     "max_lora_rank": engine_lora_rank(max_lora_rank)})
+            # (merged: no LoRA layers, a base engine)
+            lora = {} if merge else engine_lora_args(max_lora_rank, max_loras)
             self.llm = LLM(model=model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
                            enforce_eager=True, worker_extension_cls=WORKER_EXTENSION,
                            logprobs_mode="processed_logprobs", **lora, **memory)
